@@ -1,0 +1,317 @@
+"""The catalog: models, variants, evaluation suites, benchmark scenarios and the acceptance policy.
+
+Everything is validated on load; a bad file raises `CatalogError` with one line naming the file,
+the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+CATALOG_DIR = Path(__file__).resolve().parent
+DEFAULT_CATALOG = CATALOG_DIR / "models.yaml"
+LOCAL_TASKS_DIR = CATALOG_DIR / "lm_eval_tasks"
+
+
+class CatalogError(ValueError):
+    """A catalog or policy file that does not validate; the message is one line."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HubSource(Strict):
+    kind: Literal["hub"] = "hub"
+    repo_id: str
+    revision: str = "main"
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id_shape(cls, v: str) -> str:
+        if v.count("/") != 1 or v.startswith("/") or v.endswith("/"):
+            raise ValueError(f"hub repo_id must look like 'org/name', got {v!r}")
+        return v
+
+
+class LocalSource(Strict):
+    kind: Literal["local"] = "local"
+    path: str
+
+
+class GgufSource(Strict):
+    """A GGUF file, dequantized by transformers into a plain safetensors checkpoint once."""
+
+    kind: Literal["gguf"] = "gguf"
+    path: str | None = None
+    package: str | None = None
+    file: str
+
+    @model_validator(mode="after")
+    def _one_location(self) -> GgufSource:
+        if (self.path is None) == (self.package is None):
+            raise ValueError("a gguf source needs exactly one of 'path' (a folder) or 'package' (an installed package)")
+        return self
+
+
+Source = Annotated[HubSource | LocalSource | GgufSource, Field(discriminator="kind")]
+
+Method = Literal["awq", "gptq", "rtn", "fp8"]
+
+
+class VariantSpec(Strict):
+    """One quantized build: an llm-compressor modifier applied with a compressed-tensors scheme."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")
+    method: Method
+    scheme: Literal["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "W2A16"] = "W4A16"
+    group_size: int | None = 128
+    ignore: tuple[str, ...] = ("lm_head",)
+    calibration: bool | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VariantSpec:
+        if self.method == "fp8" and self.scheme != "FP8_DYNAMIC":
+            raise ValueError("method 'fp8' takes scheme 'FP8_DYNAMIC'")
+        if self.method != "fp8" and self.scheme == "FP8_DYNAMIC":
+            raise ValueError("scheme 'FP8_DYNAMIC' takes method 'fp8'")
+        if self.group_size is not None and (self.group_size < 8 or self.group_size & (self.group_size - 1)):
+            raise ValueError(f"group_size must be a power of two >= 8 or null (per channel), got {self.group_size}")
+        return self
+
+    @property
+    def bits(self) -> int:
+        return {"W4A16": 4, "W4A16_ASYM": 4, "W8A16": 8, "W8A8": 8, "FP8_DYNAMIC": 8, "W2A16": 2}[self.scheme]
+
+    @property
+    def needs_calibration(self) -> bool:
+        if self.calibration is not None:
+            return self.calibration
+        return self.method in ("awq", "gptq")
+
+
+class CalibrationSpec(Strict):
+    text_file: str = "../shared/data/eval/simple_stories/simple_stories.txt"
+    samples: int = Field(default=32, ge=1)
+    seq_len: int = Field(default=128, ge=8)
+
+
+class LocalTask(Strict):
+    """An lm-eval task YAML shipped in catalog/lm_eval_tasks (or any folder given by path)."""
+
+    name: str
+    include_path: str | None = None
+    limit: int | None = Field(default=None, ge=1)
+
+
+class SuiteSpec(Strict):
+    tasks: tuple[LocalTask, ...]
+    batch_size: int = Field(default=8, ge=1)
+    num_fewshot: int | None = None
+
+
+class ScenarioSpec(Strict):
+    """A speed workload. Same prompts and output lengths for every engine (EOS ignored)."""
+
+    kind: Literal["offline", "latency"] = "offline"
+    engines: tuple[Literal["transformers", "vllm"], ...] = ("transformers", "vllm")
+    num_prompts: int = Field(default=8, ge=1)
+    input_len: int = Field(default=64, ge=1)
+    output_len: int = Field(default=32, ge=2)
+    batch_size: int = Field(default=8, ge=1)
+    prompts_file: str | None = None
+    warmup: int = Field(default=1, ge=0)
+    repetitions: int = Field(default=3, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    enable_prefix_caching: bool = False
+    seed: int = 0
+
+    @field_validator("repetitions")
+    @classmethod
+    def _odd(cls, v: int) -> int:
+        if v % 2 == 0:
+            raise ValueError(f"repetitions must be odd so the median is a measured run, got {v}")
+        return v
+
+
+class ModelSpec(Strict):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]*$")
+    source: Source
+    variants: tuple[str, ...]
+    suite: str
+    scenarios: tuple[str, ...] = ()
+    calibration: CalibrationSpec = CalibrationSpec()
+    trust_remote_code: bool = False
+
+
+class QualityGate(Strict):
+    task: str
+    metric: str
+    min_recovery: float = Field(gt=0, le=2)
+    higher_is_better: bool
+
+
+class SpeedGate(Strict):
+    engine: Literal["transformers", "vllm"]
+    scenario: str
+    min_speedup: float = Field(gt=0)
+
+
+class Policy(Strict):
+    version: int
+    quality: tuple[QualityGate, ...]
+    speed: SpeedGate | None = None
+    # Accept only variants that are smaller than base by at least this factor (size ÷ base size).
+    max_size_ratio: float = Field(default=1.0, gt=0, le=1.0)
+
+    @property
+    def hash(self) -> str:
+        return _hash(self.model_dump(mode="json"))
+
+
+class Catalog(Strict):
+    version: Literal[1]
+    variants: dict[str, VariantSpec]
+    suites: dict[str, SuiteSpec]
+    scenarios: dict[str, ScenarioSpec] = {}
+    models: tuple[ModelSpec, ...]
+    policy: Policy
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names_into_variants(cls, data: dict) -> dict:
+        if isinstance(data, dict) and isinstance(data.get("variants"), dict):
+            data = dict(data)
+            data["variants"] = {
+                k: ({"name": k, **v} if isinstance(v, dict) and "name" not in v else v) for k, v in data["variants"].items()
+            }
+        return data
+
+    @model_validator(mode="after")
+    def _references_resolve(self) -> Catalog:
+        for i, m in enumerate(self.models):
+            for v in m.variants:
+                if v not in self.variants:
+                    raise ValueError(f"models.{i}.variants: unknown variant {v!r}; defined: {sorted(self.variants)}")
+            if m.suite not in self.suites:
+                raise ValueError(f"models.{i}.suite: unknown suite {m.suite!r}; defined: {sorted(self.suites)}")
+            for s in m.scenarios:
+                if s not in self.scenarios:
+                    raise ValueError(f"models.{i}.scenarios: unknown scenario {s!r}; defined: {sorted(self.scenarios)}")
+        if self.policy.speed and self.policy.speed.scenario not in self.scenarios:
+            raise ValueError(f"policy.speed.scenario: unknown scenario {self.policy.speed.scenario!r}")
+        ids = [m.id for m in self.models]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"models: ids must be unique, got {ids}")
+        return self
+
+    def model(self, model_id: str) -> ModelSpec:
+        for m in self.models:
+            if m.id == model_id:
+                return m
+        raise CatalogError(f"unknown model {model_id!r}: the catalog has {[m.id for m in self.models]}")
+
+    @property
+    def hash(self) -> str:
+        return _hash(self.model_dump(mode="json"))
+
+
+def _hash(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _one_line(path: Path, err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{path}: {loc}: {msg}{more}"
+
+
+def load_catalog(path: str | Path = DEFAULT_CATALOG) -> Catalog:
+    """Load and validate a catalog. Relative paths inside it are resolved against the file's folder."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise CatalogError(f"{path}: no such catalog file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise CatalogError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{path}: (top level): expected a mapping with keys version, variants, suites, models, policy")
+    if isinstance(raw.get("policy"), str):
+        raw["policy"] = _load_yaml_mapping(path.parent / raw["policy"])
+    try:
+        catalog = Catalog.model_validate(raw)
+    except ValidationError as e:
+        raise CatalogError(_one_line(path, e)) from None
+    return _resolve_paths(catalog, path.parent.resolve())
+
+
+def _load_yaml_mapping(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise CatalogError(f"{path}: no such policy file") from None
+    if not isinstance(data, dict):
+        raise CatalogError(f"{path}: expected a mapping")
+    return data
+
+
+def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
+    def resolve(p: str | None) -> str | None:
+        return None if p is None else str((base / Path(p).expanduser()).resolve())
+
+    models = []
+    for m in catalog.models:
+        src = m.source
+        if isinstance(src, LocalSource):
+            src = src.model_copy(update={"path": resolve(src.path)})
+        elif isinstance(src, GgufSource) and src.path:
+            src = src.model_copy(update={"path": resolve(src.path)})
+        calib = m.calibration.model_copy(update={"text_file": resolve(m.calibration.text_file)})
+        models.append(m.model_copy(update={"source": src, "calibration": calib}))
+    suites = {
+        name: s.model_copy(
+            update={"tasks": tuple(t.model_copy(update={"include_path": resolve(t.include_path)}) for t in s.tasks)}
+        )
+        for name, s in catalog.suites.items()
+    }
+    scenarios = {
+        name: s.model_copy(update={"prompts_file": resolve(s.prompts_file)}) for name, s in catalog.scenarios.items()
+    }
+    return catalog.model_copy(update={"models": tuple(models), "suites": suites, "scenarios": scenarios})
+
+
+def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None) -> ModelSpec:
+    """A model named on the command line: a catalog id, a local folder, or a hub id (org/name[@revision])."""
+    for m in catalog.models:
+        if m.id == ref:
+            return m.model_copy(update={"variants": tuple(variants)}) if variants else m
+    base = catalog.model(template) if template else catalog.models[0]
+    if Path(ref).expanduser().exists():
+        path = Path(ref).expanduser().resolve()
+        source: HubSource | LocalSource = LocalSource(path=str(path))
+        model_id = path.name
+    elif ref.count("/") == 1 and not ref.startswith((".", "/")):
+        repo, _, rev = ref.partition("@")
+        source = HubSource(repo_id=repo, revision=rev or "main")
+        model_id = repo
+    else:
+        raise CatalogError(
+            f"unknown model {ref!r}: not a catalog id ({[m.id for m in catalog.models]}), an existing folder, or a hub id 'org/name'"
+        )
+    chosen = tuple(variants) if variants else base.variants
+    for v in chosen:
+        if v not in catalog.variants:
+            raise CatalogError(f"unknown variant {v!r}: the catalog defines {sorted(catalog.variants)}")
+    return base.model_copy(update={"id": model_id, "source": source, "variants": chosen})

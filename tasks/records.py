@@ -1,0 +1,125 @@
+"""Plain, serialisable records that tasks return and the warehouse stores."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class ModelArtifact:
+    """A model checkpoint on local disk, identified by content (local) or commit (hub)."""
+
+    model_id: str
+    path: str
+    source: Literal["hub", "local", "gguf"]
+    revision: str | None
+    sha: str
+    architecture: str | None = None
+    num_parameters: int | None = None
+    size_bytes: int = 0
+
+    @property
+    def uid(self) -> str:
+        return f"{self.model_id}@{self.sha[:12]}"
+
+
+@dataclass(frozen=True)
+class VariantArtifact:
+    """A quantized (or the base) checkpoint and how it was built."""
+
+    uid: str
+    model_uid: str
+    name: str
+    method: str
+    scheme: str | None
+    bits: int | None
+    group_size: int | None
+    path: str | None
+    recipe: str | None
+    recipe_hash: str | None
+    lib_versions: dict[str, str] = field(default_factory=dict)
+    size_bytes: int | None = None
+    build_seconds: float | None = None
+    peak_memory_bytes: int | None = None
+    status: Literal["built", "failed"] = "built"
+    error: str | None = None
+    reused: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "built"
+
+
+@dataclass(frozen=True)
+class MetricResult:
+    task: str
+    metric: str
+    filter: str
+    value: float | None
+    stderr: float | None
+    n_samples: int | None
+    task_version: str | None
+    higher_is_better: bool | None
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    task: str
+    doc_id: int
+    metric: str
+    value: float | None
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    """All metrics and per-sample results of one suite on one variant."""
+
+    eval_key: str
+    evaluator: str
+    config: dict[str, Any]
+    metrics: list[MetricResult]
+    samples: list[SampleResult]
+    seconds: float
+    status: Literal["ok", "failed"] = "ok"
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SpeedResult:
+    """One (engine, scenario) measurement; medians over repetitions, spread kept beside them."""
+
+    engine: str
+    scenario: str
+    status: Literal["ok", "skipped", "failed"]
+    reason: str | None
+    config: dict[str, Any]
+    device: str | None = None
+    num_requests: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    tokens_per_s: float | None = None
+    requests_per_s: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+    peak_memory_bytes: int | None = None
+    energy_j_per_token: float | None = None
+    repetitions: list[dict[str, Any]] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Decision:
+    variant_uid: str
+    decision: Literal["accept", "reject"]
+    reason: str
+    checks: list[dict[str, Any]]
+    policy_hash: str
+    quality_recovery: float | None
+    speedup: float | None
+    size_ratio: float | None

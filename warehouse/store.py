@@ -1,0 +1,287 @@
+"""The DuckDB warehouse: connections, versioned migrations, views and transactional writes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from quantgate.tasks.records import (
+    Decision,
+    ModelArtifact,
+    QualityReport,
+    SpeedResult,
+    VariantArtifact,
+)
+
+HERE = Path(__file__).resolve().parent
+MIGRATIONS = HERE / "migrations"
+VIEWS = HERE / "views"
+ENV_VAR = "QUANTGATE_WAREHOUSE"
+DEFAULT_PATH = "quantgate.duckdb"
+
+
+class WarehouseError(RuntimeError):
+    """A warehouse that cannot be opened or migrated; the message is one line."""
+
+
+def default_path() -> Path:
+    return Path(os.environ.get(ENV_VAR, DEFAULT_PATH))
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def _migrations() -> list[tuple[int, str, str]]:
+    out = []
+    for f in sorted(MIGRATIONS.glob("*.sql")):
+        version = int(f.name.split("_", 1)[0])
+        out.append((version, f.name, f.read_text()))
+    return out
+
+
+def _checksum(sql: str) -> str:
+    return hashlib.sha256(sql.encode()).hexdigest()
+
+
+def connect(path: str | Path | None = None, read_only: bool = False, wait_s: float = 60.0) -> duckdb.DuckDBPyConnection:
+    """Open the warehouse; migrate it when writable. Waits for another writer's lock up to `wait_s`."""
+    path = Path(path) if path else default_path()
+    if read_only and not path.exists():
+        raise WarehouseError(f"{path}: no such warehouse (run `quantgate demo` or `quantgate run` first)")
+    if not read_only:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while True:
+        try:
+            con = duckdb.connect(str(path), read_only=read_only)
+            break
+        except duckdb.IOException as e:
+            text = str(e)
+            if "lock" in text.lower() and time.monotonic() < deadline:
+                if not announced:
+                    print(f"warehouse {path} is locked by another writer; waiting up to {wait_s:.0f}s", flush=True)
+                    announced = True
+                time.sleep(0.5)
+                continue
+            if "lock" in text.lower():
+                raise WarehouseError(f"{path}: locked by another writer for more than {wait_s:.0f}s") from None
+            if "not a valid DuckDB database" in text or "The file is not a" in text:
+                raise WarehouseError(f"{path}: not a DuckDB warehouse") from None
+            raise WarehouseError(f"{path}: cannot open warehouse ({text.splitlines()[0]})") from None
+        except duckdb.Error as e:
+            raise WarehouseError(f"{path}: cannot open warehouse ({str(e).splitlines()[0]})") from None
+    if read_only:
+        _check_version(con, path)
+    else:
+        migrate(con, path)
+    return con
+
+
+def _check_version(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    known = max(v for v, _, _ in _migrations())
+    try:
+        (current,) = con.execute("SELECT coalesce(max(version), 0) FROM schema_migrations").fetchone()
+    except duckdb.CatalogException:
+        raise WarehouseError(f"{path}: not a quantgate warehouse (no schema_migrations table)") from None
+    if current > known:
+        raise WarehouseError(f"{path}: schema version {current} is newer than this quantgate knows ({known}); upgrade quantgate")
+
+
+def migrate(con: duckdb.DuckDBPyConnection, path: Path | str = "warehouse") -> None:
+    """Apply pending migrations (each once, checksum-verified), then (re)create the views."""
+    con.execute(
+        "CREATE TABLE IF NOT EXISTS schema_migrations ("
+        " version INTEGER PRIMARY KEY, name VARCHAR NOT NULL, checksum VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)"
+    )
+    applied = {v: (n, c) for v, n, c in con.execute("SELECT version, name, checksum FROM schema_migrations").fetchall()}
+    known = _migrations()
+    if applied and max(applied) > max(v for v, _, _ in known):
+        raise WarehouseError(
+            f"{path}: schema version {max(applied)} is newer than this quantgate knows ({max(v for v, _, _ in known)}); upgrade quantgate"
+        )
+    for version, name, sql in known:
+        checksum = _checksum(sql)
+        if version in applied:
+            if applied[version][1] != checksum:
+                raise WarehouseError(f"{path}: migration {name} changed after it was applied; add a new migration instead")
+            continue
+        con.execute("BEGIN TRANSACTION")
+        try:
+            con.execute(sql)
+            con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?, ?)", [version, name, checksum, _now()])
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+    apply_views(con)
+
+
+def apply_views(con: duckdb.DuckDBPyConnection) -> None:
+    for f in sorted(VIEWS.glob("*.sql")):
+        con.execute(f.read_text())
+
+
+@contextmanager
+def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConnection]:
+    con.execute("BEGIN TRANSACTION")
+    try:
+        yield con
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
+
+
+def _json(obj: Any) -> str | None:
+    return None if obj is None else json.dumps(obj, sort_keys=True, default=str)
+
+
+# --- writes ------------------------------------------------------------------------------------
+
+
+def start_run(con, run_id: str, flow_name: str, model_id: str | None, catalog_path: str | None,
+              catalog_hash: str | None, host: str, versions: dict[str, str]) -> None:
+    with transaction(con):
+        con.execute(
+            "INSERT INTO runs (run_id, flow_name, model_id, started_at, status, catalog_path, catalog_hash, host, versions)"
+            " VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?)"
+            " ON CONFLICT (run_id) DO UPDATE SET status = 'running', error = NULL, finished_at = NULL",
+            [run_id, flow_name, model_id, _now(), catalog_path, catalog_hash, host, _json(versions)],
+        )
+
+
+def finish_run(con, run_id: str, error: str | None = None) -> None:
+    with transaction(con):
+        con.execute(
+            "UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE run_id = ?",
+            ["failed" if error else "completed", error, _now(), run_id],
+        )
+
+
+def record_model(con, run_id: str, model: ModelArtifact) -> None:
+    with transaction(con):
+        con.execute(
+            "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (model_uid) DO NOTHING",
+            [model.uid, model.model_id, model.source, model.revision, model.sha, model.path,
+             model.architecture, model.num_parameters, model.size_bytes, run_id],
+        )
+
+
+def record_variant(con, run_id: str, v: VariantArtifact, role: str) -> None:
+    """Store a build once; a failed build may be replaced by a later successful one of the same uid."""
+    with transaction(con):
+        existing = con.execute("SELECT status FROM variants WHERE variant_uid = ?", [v.uid]).fetchone()
+        if existing and (existing[0] == "built" or v.status == "failed"):
+            pass
+        else:
+            if existing:
+                con.execute("DELETE FROM variants WHERE variant_uid = ?", [v.uid])
+            con.execute(
+                "INSERT INTO variants VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [v.uid, v.model_uid, v.name, v.method, v.scheme, v.bits, v.group_size, v.path, v.recipe,
+                 v.recipe_hash, _json(v.lib_versions), v.size_bytes, v.build_seconds, v.peak_memory_bytes,
+                 v.status, v.error, run_id, _now()],
+            )
+        con.execute(
+            "INSERT INTO run_variants (run_id, variant_uid, role, reused) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (run_id, variant_uid) DO UPDATE SET reused = excluded.reused",
+            [run_id, v.uid, role, v.reused],
+        )
+
+
+def find_variant(con, uid: str) -> dict[str, Any] | None:
+    row = con.execute("SELECT * FROM variants WHERE variant_uid = ? AND status = 'built'", [uid]).fetchone()
+    if row is None:
+        return None
+    return dict(zip([d[0] for d in con.description], row))
+
+
+def has_quality(con, variant_uid: str, eval_key: str) -> bool:
+    row = con.execute(
+        "SELECT 1 FROM quality_evals WHERE variant_uid = ? AND eval_key = ? AND status = 'ok'", [variant_uid, eval_key]
+    ).fetchone()
+    return row is not None
+
+
+def record_quality(con, run_id: str, variant_uid: str, report: QualityReport) -> None:
+    """Store one evaluation with all its metrics and samples in one transaction, replacing a failed one."""
+    with transaction(con):
+        con.execute(
+            "UPDATE run_variants SET eval_key = ? WHERE run_id = ? AND variant_uid = ?", [report.eval_key, run_id, variant_uid]
+        )
+        if has_quality(con, variant_uid, report.eval_key):
+            return
+        for table in ("quality_evals", "quality_results", "quality_samples"):
+            con.execute(f"DELETE FROM {table} WHERE variant_uid = ? AND eval_key = ?", [variant_uid, report.eval_key])
+        con.execute(
+            "INSERT INTO quality_evals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [variant_uid, report.eval_key, run_id, report.evaluator, _json(report.config), report.seconds,
+             report.status, report.error, _now()],
+        )
+        if report.metrics:
+            con.executemany(
+                "INSERT INTO quality_results VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [[variant_uid, report.eval_key, run_id, m.task, m.metric, m.filter, m.value, m.stderr, m.n_samples,
+                  m.task_version, m.higher_is_better] for m in report.metrics],
+            )
+        if report.samples:
+            import pandas as pd
+
+            samples = pd.DataFrame(
+                {
+                    "variant_uid": variant_uid,
+                    "eval_key": report.eval_key,
+                    "task": [s.task for s in report.samples],
+                    "doc_id": [s.doc_id for s in report.samples],
+                    "metric": [s.metric for s in report.samples],
+                    "value": [s.value for s in report.samples],
+                    "detail": [_json(s.detail) for s in report.samples],
+                }
+            )
+            con.register("_samples", samples)
+            con.execute("INSERT INTO quality_samples SELECT * FROM _samples")
+            con.unregister("_samples")
+
+
+def record_speed(con, run_id: str, variant_uid: str, results: Sequence[SpeedResult]) -> None:
+    with transaction(con):
+        for r in results:
+            d = asdict(r)
+            con.execute(
+                "INSERT OR REPLACE INTO speed_results VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, variant_uid, r.engine, r.scenario, r.status, r.reason, _json(r.config), r.device,
+                 r.num_requests, r.input_tokens, r.output_tokens, r.tokens_per_s, r.requests_per_s, r.ttft_ms,
+                 r.tpot_ms, r.e2el_ms, r.peak_memory_bytes, r.energy_j_per_token, _json(d["repetitions"]),
+                 _json(r.versions), _now()],
+            )
+
+
+def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: dict[str, Any]) -> None:
+    with transaction(con):
+        for d in decisions:
+            con.execute(
+                "INSERT OR REPLACE INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, d.variant_uid, d.decision, d.reason, _json(d.checks), d.quality_recovery, d.speedup,
+                 d.size_ratio, d.policy_hash, _json(policy), _now()],
+            )
+
+
+# --- reads -------------------------------------------------------------------------------------
+
+
+def rows(con, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+    cur = con.execute(sql, list(params))
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]

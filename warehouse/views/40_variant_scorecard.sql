@@ -1,0 +1,18 @@
+-- One row per variant of the latest run of each model: what it is, how good, how fast, the verdict.
+CREATE OR REPLACE VIEW latest_runs AS
+SELECT * FROM (
+    SELECT r.*, row_number() OVER (PARTITION BY model_id ORDER BY started_at DESC) AS rn
+    FROM runs r WHERE r.flow_name = 'evaluate-model' AND r.status IN ('completed', 'failed')
+) WHERE rn = 1;
+
+CREATE OR REPLACE VIEW variant_scorecard AS
+SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
+       v.size_bytes, d.size_ratio, d.quality_recovery, d.speedup,
+       coalesce(d.decision, 'reject') AS decision,
+       coalesce(d.reason, 'not decided: ' || coalesce(v.error, 'run ' || r.status)) AS reason,
+       rv.reused, v.status AS build_status, r.run_id, r.started_at, v.variant_uid, d.policy_hash
+FROM latest_runs r
+JOIN run_variants rv ON rv.run_id = r.run_id AND rv.role = 'variant'
+JOIN variants v ON v.variant_uid = rv.variant_uid
+LEFT JOIN decisions d ON d.run_id = r.run_id AND d.variant_uid = rv.variant_uid
+ORDER BY r.model_id, v.name;
