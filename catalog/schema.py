@@ -315,3 +315,21 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
         if v not in catalog.variants:
             raise CatalogError(f"unknown variant {v!r}: the catalog defines {sorted(catalog.variants)}")
     return base.model_copy(update={"id": model_id, "source": source, "variants": chosen})
+
+
+def resolve_variants(catalog: Catalog, model_ref: str, tokens: list[str]) -> list[str]:
+    """Variant names from names or method shorthands (`awq`, `gptq`), preferring the model's own variants."""
+    own = next((m.variants for m in catalog.models if m.id == model_ref), ())
+    chosen: list[str] = []
+    for token in (t.strip() for t in tokens if t.strip()):
+        if token in catalog.variants:
+            chosen.append(token)
+            continue
+        by_method = [n for n in own if catalog.variants[n].method == token] or [
+            n for n, v in catalog.variants.items() if v.method == token
+        ][:1]
+        if not by_method:
+            methods = sorted({v.method for v in catalog.variants.values()})
+            raise CatalogError(f"unknown variant or method {token!r}: variants {sorted(catalog.variants)}, methods {methods}")
+        chosen.extend(n for n in by_method if n not in chosen)
+    return chosen

@@ -134,6 +134,16 @@ def apply_views(con: duckdb.DuckDBPyConnection) -> None:
 
 
 @contextmanager
+def session(path: str | Path | None = None, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A short-lived connection: DuckDB admits one writing process, so writers never hold the file between steps."""
+    con = connect(path, read_only=read_only)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+@contextmanager
 def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConnection]:
     con.execute("BEGIN TRANSACTION")
     try:
@@ -213,6 +223,13 @@ def has_quality(con, variant_uid: str, eval_key: str) -> bool:
         "SELECT 1 FROM quality_evals WHERE variant_uid = ? AND eval_key = ? AND status = 'ok'", [variant_uid, eval_key]
     ).fetchone()
     return row is not None
+
+
+def link_quality(con, run_id: str, variant_uid: str, eval_key: str) -> None:
+    with transaction(con):
+        con.execute(
+            "UPDATE run_variants SET eval_key = ? WHERE run_id = ? AND variant_uid = ?", [eval_key, run_id, variant_uid]
+        )
 
 
 def record_quality(con, run_id: str, variant_uid: str, report: QualityReport) -> None:

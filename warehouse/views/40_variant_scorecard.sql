@@ -1,18 +1,29 @@
 -- One row per variant of the latest run of each model: what it is, how good, how fast, the verdict.
 CREATE OR REPLACE VIEW latest_runs AS
-SELECT * FROM (
+SELECT * EXCLUDE (rn) FROM (
     SELECT r.*, row_number() OVER (PARTITION BY model_id ORDER BY started_at DESC) AS rn
     FROM runs r WHERE r.flow_name = 'evaluate-model' AND r.status IN ('completed', 'failed')
 ) WHERE rn = 1;
 
+-- The measured speedup to show when the policy's gated engine was not measured (vllm first).
+CREATE OR REPLACE VIEW measured_speedup AS
+SELECT run_id, variant_uid,
+       arg_min(speedup, (CASE engine WHEN 'vllm' THEN 0 ELSE 1 END, scenario)) AS speedup,
+       arg_min(engine || '/' || scenario, (CASE engine WHEN 'vllm' THEN 0 ELSE 1 END, scenario)) AS basis
+FROM variant_speedup WHERE speedup IS NOT NULL
+GROUP BY run_id, variant_uid;
+
 CREATE OR REPLACE VIEW variant_scorecard AS
 SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
-       v.size_bytes, d.size_ratio, d.quality_recovery, d.speedup,
+       v.size_bytes, d.size_ratio, d.quality_recovery,
+       coalesce(d.speedup, m.speedup) AS speedup,
+       CASE WHEN d.speedup IS NOT NULL THEN 'gated' ELSE m.basis END AS speedup_basis,
        coalesce(d.decision, 'reject') AS decision,
-       coalesce(d.reason, 'not decided: ' || coalesce(v.error, 'run ' || r.status)) AS reason,
+       coalesce(d.reason, 'reject: not decided: ' || coalesce(v.error, 'run ' || r.status)) AS reason,
        rv.reused, v.status AS build_status, r.run_id, r.started_at, v.variant_uid, d.policy_hash
 FROM latest_runs r
 JOIN run_variants rv ON rv.run_id = r.run_id AND rv.role = 'variant'
 JOIN variants v ON v.variant_uid = rv.variant_uid
 LEFT JOIN decisions d ON d.run_id = r.run_id AND d.variant_uid = rv.variant_uid
+LEFT JOIN measured_speedup m ON m.run_id = r.run_id AND m.variant_uid = rv.variant_uid
 ORDER BY r.model_id, v.name;

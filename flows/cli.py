@@ -1,0 +1,159 @@
+"""The `quantgate` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, load_catalog, resolve_variants
+from quantgate.warehouse import store
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Gate quantized LLM builds on quality and speed.")
+catalog_app = typer.Typer(no_args_is_help=True, help="Inspect and validate the model catalog.")
+app.add_typer(catalog_app, name="catalog")
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+DEMO_MODEL = "smollm2-135m"
+
+WarehouseOpt = Annotated[
+    Optional[Path], typer.Option("--warehouse", "-w", help=f"DuckDB file (env {store.ENV_VAR}; default {store.DEFAULT_PATH})")
+]
+CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", "-c", help="catalog YAML (default: the packaged one)")]
+WorkdirOpt = Annotated[
+    Optional[Path], typer.Option("--workdir", help="where checkpoints are kept (env QUANTGATE_HOME; default .quantgate)")
+]
+_debug = False
+
+
+@app.callback()
+def _main(debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False) -> None:
+    global _debug
+    _debug = debug
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Argument(help="catalog id, local model folder, or hub id org/name[@revision]")],
+    variants: Annotated[Optional[str], typer.Option(help="comma-separated variant names or methods (awq,gptq)")] = None,
+    catalog: CatalogOpt = None,
+    warehouse: WarehouseOpt = None,
+    workdir: WorkdirOpt = None,
+) -> None:
+    """Download, quantize, evaluate, benchmark and decide one model."""
+    from quantgate.flows.evaluate_model import evaluate_model
+
+    cat = load_catalog(catalog or DEFAULT_CATALOG)
+    chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
+    card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
+                          warehouse=str(warehouse) if warehouse else None, variants=chosen,
+                          workdir=str(workdir) if workdir else None)
+    _print_rows(card, ["model_id", "variant", "quality_recovery", "speedup", "size_ratio", "decision", "reason"])
+
+
+@app.command()
+def demo(warehouse: WarehouseOpt = None, workdir: WorkdirOpt = None) -> None:
+    """Run the whole pipeline on SmolLM2-135M-Instruct (offline, CPU) into the local warehouse."""
+    run(DEMO_MODEL, None, None, warehouse, workdir)
+    wh = warehouse or store.default_path()
+    console.print(f"\nwarehouse: {wh}   try: quantgate sql \"select * from variant_scorecard\"")
+
+
+@app.command()
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL to run read-only against the warehouse")],
+    warehouse: WarehouseOpt = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table, csv, json or markdown")] = "table",
+) -> None:
+    """Run a read-only SQL query against the warehouse and print the result."""
+    import duckdb
+
+    with store.session(warehouse, read_only=True) as con:
+        try:
+            rel = con.sql(query)
+        except duckdb.Error as e:
+            raise typer.BadParameter(str(e).splitlines()[0], param_hint="query") from None
+        if rel is None:
+            return
+        df = rel.df()
+    if fmt == "csv":
+        sys.stdout.write(df.to_csv(index=False))
+    elif fmt == "json":
+        sys.stdout.write(df.to_json(orient="records", date_format="iso", indent=1) + "\n")
+    elif fmt == "markdown":
+        sys.stdout.write(df.to_markdown(index=False) + "\n")
+    else:
+        _print_rows(df.to_dict(orient="records"), list(df.columns))
+
+
+@app.command()
+def report(model: Annotated[Optional[str], typer.Option(help="only this model id")] = None, warehouse: WarehouseOpt = None) -> None:
+    """Print the scorecard of the latest run of each model."""
+    with store.session(warehouse, read_only=True) as con:
+        where, params = ("WHERE model_id = ?", [model]) if model else ("", [])
+        rows = store.rows(con, f"SELECT * FROM variant_scorecard {where}", params)
+    _print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "speedup", "speedup_basis",
+                       "decision", "reason"])
+
+
+@catalog_app.command("validate")
+def catalog_validate(path: Annotated[Path, typer.Argument(help="catalog YAML")] = DEFAULT_CATALOG) -> None:
+    """Validate a catalog and its policy; print a one-line summary."""
+    cat = load_catalog(path)
+    console.print(f"{path}: ok — {len(cat.models)} models, {len(cat.variants)} variants, {len(cat.suites)} suites,"
+                  f" {len(cat.scenarios)} scenarios, policy v{cat.policy.version} ({cat.policy.hash[:12]})")
+
+
+def _print_rows(rows: list[dict], columns: list[str]) -> None:
+    table = Table(show_lines=False)
+    for c in columns:
+        table.add_column(c, overflow="fold")
+    for r in rows:
+        table.add_row(*[_cell(r.get(c)) for c in columns])
+    console.print(table)
+    console.print(f"{len(rows)} row{'s' if len(rows) != 1 else ''}")
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)
+    return str(v)
+
+
+def main() -> None:
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    try:
+        app(standalone_mode=False)
+    except (typer.Exit, SystemExit) as e:
+        code = getattr(e, "exit_code", getattr(e, "code", 0))
+        sys.exit(code or 0)
+    except typer.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except Exception as e:  # every user-facing failure is one line; --debug shows the rest
+        if _debug:
+            traceback.print_exc()
+        msg = getattr(e, "format_message", lambda: str(e))()
+        first = (msg.strip().splitlines() or [type(e).__name__])[0]
+        known = isinstance(e, (CatalogError, store.WarehouseError)) or type(e).__name__.endswith("Error")
+        err.print(f"error: {first}" if known else f"error: {type(e).__name__}: {first}", highlight=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
