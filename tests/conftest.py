@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+TINY_MODEL = SHARED / "models" / "stories260k-i256"
+
+# Hubs are unreachable here; make every library fail fast instead of retrying the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+@pytest.fixture
+def tiny_model() -> Path:
+    if not TINY_MODEL.exists():
+        pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
+    return TINY_MODEL

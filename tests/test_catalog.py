@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, adhoc_model, load_catalog, resolve_variants
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    p = tmp_path / "catalog.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def _base() -> dict:
+    return yaml.safe_load(DEFAULT_CATALOG.read_text()) | {"policy": yaml.safe_load((DEFAULT_CATALOG.parent / "policy.yaml").read_text())}
+
+
+def test_default_catalog_loads_and_resolves_paths():
+    cat = load_catalog()
+    tiny = cat.model("stories260k")
+    assert Path(tiny.source.path).is_absolute()
+    assert tiny.source.path.endswith("shared/data/models/stories260k-i256")
+    assert Path(tiny.calibration.text_file).name == "simple_stories.txt"
+    assert cat.variants["awq-w4a16-g32"].bits == 4 and cat.variants["rtn-w2a16-g32"].bits == 2
+    assert len(cat.policy.hash) == 64
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda d: d["variants"].__setitem__("bad", {"method": "zzz"}), "variants.bad.method: Input should be 'awq', 'gptq', 'rtn' or 'fp8'"),
+        (lambda d: d["variants"].__setitem__("bad", {"method": "gptq", "group_size": 48}), "group_size must be a power of two"),
+        (lambda d: d["models"][0].__setitem__("variants", ["nope"]), "models.0.variants: unknown variant 'nope'"),
+        (lambda d: d["models"][0].__setitem__("suite", "nope"), "models.0.suite: unknown suite 'nope'"),
+        (lambda d: d["scenarios"]["tiny-offline"].__setitem__("repetitions", 2), "repetitions must be odd"),
+        (lambda d: d["models"][0].__setitem__("colour", "red"), "models.0.colour: Extra inputs are not permitted"),
+        (lambda d: d["models"][2]["source"].__setitem__("repo_id", "noslash"), "hub repo_id must look like 'org/name'"),
+        (lambda d: d.pop("policy"), "policy: Field required"),
+    ],
+)
+def test_bad_catalog_is_one_line_naming_file_and_key(tmp_path, mutate, expected):
+    data = _base()
+    mutate(data)
+    path = _write(tmp_path, data)
+    with pytest.raises(CatalogError) as e:
+        load_catalog(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(str(path))
+    assert expected in msg
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("version: 1\nvariants: [unclosed\n")
+    with pytest.raises(CatalogError, match=r"c.yaml: line \d+: not valid YAML"):
+        load_catalog(p)
+    with pytest.raises(CatalogError, match="no such catalog file"):
+        load_catalog(tmp_path / "missing.yaml")
+
+
+def test_adhoc_models_and_variant_shorthands(tiny_model):
+    cat = load_catalog()
+    local = adhoc_model(cat, str(tiny_model), ["gptq-w4a16-g32"], template="stories260k")
+    assert local.source.kind == "local" and local.variants == ("gptq-w4a16-g32",)
+    hub = adhoc_model(cat, "Qwen/Qwen2.5-0.5B@abc123")
+    assert (hub.source.kind, hub.source.repo_id, hub.source.revision) == ("hub", "Qwen/Qwen2.5-0.5B", "abc123")
+    with pytest.raises(CatalogError, match="unknown model 'no-such-model'"):
+        adhoc_model(cat, "no-such-model")
+    assert resolve_variants(cat, "stories260k", ["awq", "gptq"]) == ["awq-w4a16-g32", "gptq-w4a16-g32"]
+    with pytest.raises(CatalogError, match="unknown variant or method 'hqq'"):
+        resolve_variants(cat, "stories260k", ["hqq"])

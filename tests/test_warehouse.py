@@ -1,0 +1,126 @@
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import duckdb
+import pytest
+
+from quantgate.tasks.records import MetricResult, ModelArtifact, QualityReport, SampleResult, SpeedResult, VariantArtifact
+from quantgate.warehouse import store
+
+
+def _variant(uid, name, method="gptq", size=100, status="built", error=None, reused=False):
+    return VariantArtifact(uid=uid, model_uid="m@abc", name=name, method=method, scheme="W4A16", bits=4, group_size=32,
+                           path=f"/x/{uid}", recipe="r", recipe_hash="h", lib_versions={"llmcompressor": "0.14"},
+                           size_bytes=size, build_seconds=1.0, peak_memory_bytes=1, status=status, error=error, reused=reused)
+
+
+def _quality(key, ppl, acc):
+    return QualityReport(eval_key=key, evaluator="lm-eval", config={}, seconds=1.0, metrics=[
+        MetricResult("qg_simple_stories", "word_perplexity", "none", ppl, None, 10, "1", False),
+        MetricResult("qg_piqa", "acc", "none", acc, 0.05, 100, "1", True),
+    ], samples=[SampleResult("qg_piqa", i, "acc", float(i % 2), {"target": 0}) for i in range(4)])
+
+
+def _speed(tps):
+    return SpeedResult(engine="transformers", scenario="s", status="ok", reason=None, config={"x": 1}, tokens_per_s=tps)
+
+
+def seed_run(con, run_id, variant_ppl=4.0, base_tps=100.0, variant_tps=150.0):
+    store.start_run(con, run_id, "evaluate-model", "m", "c.yaml", "h", "host", {})
+    store.record_model(con, run_id, ModelArtifact("m", "/m", "local", None, "abc" * 10))
+    base = _variant("base", "base", method="base", size=400)
+    var = _variant("v1", "gptq-w4a16-g32")
+    store.record_variant(con, run_id, base, "base")
+    store.record_variant(con, run_id, var, "variant")
+    store.record_quality(con, run_id, "base", _quality("k", 3.0, 0.60))
+    store.record_quality(con, run_id, "v1", _quality("k", variant_ppl, 0.57))
+    store.record_speed(con, run_id, "base", [_speed(base_tps)])
+    store.record_speed(con, run_id, "v1", [_speed(variant_tps)])
+    store.finish_run(con, run_id)
+
+
+def test_migrations_apply_once_and_views_compute(tmp_path):
+    path = tmp_path / "w.duckdb"
+    with store.session(path) as con:
+        seed_run(con, "r1")
+        rec = {(r["task"], r["metric"]): r["recovery"] for r in store.rows(con, "SELECT * FROM variant_recovery")}
+        assert rec[("qg_simple_stories", "word_perplexity")] == pytest.approx(3.0 / 4.0)  # lower is better: inverted
+        assert rec[("qg_piqa", "acc")] == pytest.approx(0.57 / 0.60)
+        (speedup,) = con.execute("SELECT speedup FROM variant_speedup").fetchone()
+        assert speedup == pytest.approx(1.5)
+        assert con.execute("SELECT count(*) FROM quality_samples").fetchone()[0] == 8
+    with store.session(path) as con:  # reopening applies nothing twice
+        assert con.execute("SELECT count(*) FROM schema_migrations").fetchone()[0] == len(store._migrations())
+
+
+def test_rewriting_the_same_results_adds_no_rows(tmp_path):
+    with store.session(tmp_path / "w.duckdb") as con:
+        seed_run(con, "r1")
+        before = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("variants", "quality_results", "quality_samples", "speed_results", "models")}
+        seed_run(con, "r1")
+        store.record_variant(con, "r2", _variant("v1", "gptq-w4a16-g32", reused=True), "variant")
+        after = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in before}
+        assert before == after
+        assert con.execute("SELECT reused FROM run_variants WHERE run_id = 'r2'").fetchone()[0] is True
+
+
+def test_scorecard_shows_latest_run_only(tmp_path):
+    from quantgate.tasks.records import Decision
+
+    with store.session(tmp_path / "w.duckdb") as con:
+        for run in ("r1", "r2"):
+            seed_run(con, run)
+            store.record_decisions(con, run, [Decision("v1", "accept", f"accept: {run}", [], "ph", 0.9, 1.5, 0.25)], {"version": 1})
+        rows = store.rows(con, "SELECT * FROM variant_scorecard")
+        assert [(r["run_id"], r["variant"], r["decision"], r["reason"]) for r in rows] == [("r2", "gptq-w4a16-g32", "accept", "accept: r2")]
+
+
+def test_a_changed_migration_is_refused(tmp_path, monkeypatch):
+    mig = tmp_path / "migrations"
+    shutil.copytree(store.MIGRATIONS, mig)
+    monkeypatch.setattr(store, "MIGRATIONS", mig)
+    path = tmp_path / "w.duckdb"
+    store.connect(path).close()
+    first = sorted(mig.glob("*.sql"))[0]
+    first.write_text(first.read_text() + "\n-- edited\n")
+    with pytest.raises(store.WarehouseError, match="changed after it was applied"):
+        store.connect(path)
+
+
+def test_schema_newer_than_code_and_foreign_files(tmp_path):
+    path = tmp_path / "w.duckdb"
+    with store.session(path) as con:
+        con.execute("INSERT INTO schema_migrations VALUES (999, '0999_future.sql', 'x', now())")
+    with pytest.raises(store.WarehouseError, match="schema version 999 is newer"):
+        store.connect(path)
+    with pytest.raises(store.WarehouseError, match="schema version 999 is newer"):
+        store.connect(path, read_only=True)
+    junk = tmp_path / "junk.duckdb"
+    junk.write_text("this is not a database" * 100)
+    with pytest.raises(store.WarehouseError, match="not a DuckDB warehouse"):
+        store.connect(junk)
+    other = tmp_path / "other.duckdb"
+    duckdb.connect(str(other)).close()
+    with pytest.raises(store.WarehouseError, match="not a quantgate warehouse"):
+        store.connect(other, read_only=True)
+
+
+def test_second_writer_waits_then_gives_a_clear_error(tmp_path):
+    path = tmp_path / "w.duckdb"
+    store.connect(path).close()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import duckdb, sys, time
+        con = duckdb.connect({str(path)!r})
+        print("locked", flush=True)
+        time.sleep(30)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(store.WarehouseError, match="locked by another writer"):
+            store.connect(path, wait_s=1.0)
+    finally:
+        holder.kill()
+        holder.wait()
+    store.connect(path, wait_s=5.0).close()  # free again once the other writer is gone
