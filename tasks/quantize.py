@@ -1,0 +1,247 @@
+"""Build quantized variants of a model, once per distinct (model, recipe, calibration, library versions).
+
+A build lands in `out_root/<variant uid>/`. It is written into a temporary sibling folder and moved
+into place only when complete, with a marker file written last, so a half-written checkpoint is
+never reused. A per-variant failure is returned as a `VariantArtifact` with status "failed".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import resource
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+from safetensors import safe_open
+
+from quantgate.catalog.schema import CalibrationSpec, VariantSpec
+from quantgate.tasks.records import ModelArtifact, VariantArtifact
+
+log = logging.getLogger(__name__)
+
+MARKER = ".quantgate-variant.json"
+UID_LIBS = ("llmcompressor", "compressed-tensors", "transformers")
+
+
+class CalibrationError(RuntimeError):
+    """Calibration text that cannot be read or is empty; the message is one line."""
+
+
+def lib_versions() -> dict[str, str]:
+    return {name: version(name) for name in (*UID_LIBS, "torch")}
+
+
+def recipe_for(spec: VariantSpec) -> tuple[str, str]:
+    """(recipe YAML, its sha256) for a spec; builds the modifier objects, runs nothing."""
+    # Imported here: llmcompressor takes seconds to import and only builds need it.
+    from quantgate.tasks.quantizers.llmcompressor import recipe_text
+
+    text = recipe_text(spec)
+    return text, hashlib.sha256(text.encode()).hexdigest()
+
+
+def variant_uid(
+    model: ModelArtifact, recipe_hash: str, versions: dict[str, str], calibration: str | None = None
+) -> str:
+    """16 hex chars of sha256 over the model sha, recipe hash, quantizer library versions and,
+    for calibrated methods, the calibration fingerprint (the data changes the weights)."""
+    key = {"model": model.sha, "recipe": recipe_hash, "libs": {k: versions[k] for k in UID_LIBS}}
+    if calibration is not None:
+        key["calibration"] = calibration
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def calibration_fingerprint(texts: list[str], seq_len: int) -> str:
+    return hashlib.sha256(json.dumps([seq_len, texts]).encode()).hexdigest()
+
+
+def weights_bytes(folder: str | Path) -> int:
+    folder = Path(folder)
+    files = [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]
+    return sum(f.stat().st_size for f in files)
+
+
+def base_variant(model: ModelArtifact) -> VariantArtifact:
+    return VariantArtifact(
+        uid=f"{model.uid}:base",
+        model_uid=model.uid,
+        name="base",
+        method="base",
+        scheme=None,
+        bits=None,
+        group_size=None,
+        path=model.path,
+        recipe=None,
+        recipe_hash=None,
+        size_bytes=weights_bytes(model.path),
+    )
+
+
+def load_calibration(calib: CalibrationSpec) -> list[str]:
+    """`calib.samples` texts of `calib.seq_len` words each, spread evenly over the file (wrapping
+    around when it is short). A word is at least one token for common tokenizers, so each text
+    covers seq_len tokens; the quantizer cuts them to exactly seq_len."""
+    path = Path(calib.text_file)
+    try:
+        words = path.read_text(encoding="utf-8").split()
+    except OSError as e:
+        raise CalibrationError(f"calibration text {path}: cannot read ({e.strerror or e})") from None
+    if not words:
+        raise CalibrationError(f"calibration text {path}: file is empty")
+    n = len(words)
+    starts = [i * n // calib.samples for i in range(calib.samples)]
+    return [" ".join(words[(s + j) % n] for j in range(calib.seq_len)) for s in starts]
+
+
+def _nonfinite_tensor(folder: Path) -> str | None:
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                # float() because isfinite has no float8 kernel
+                if t.is_floating_point() and not torch.isfinite(t.float()).all():
+                    return name
+    return None
+
+
+def _one_line(err: BaseException) -> str:
+    from quantgate.tasks.quantizers.llmcompressor import QuantizeError
+
+    text = str(err).strip().splitlines()
+    msg = text[0] if text else ""
+    if not isinstance(err, QuantizeError):
+        msg = f"{type(err).__name__}: {msg}" if msg else type(err).__name__
+    return msg[:300]
+
+
+def _from_marker(folder: Path, spec: VariantSpec) -> VariantArtifact | None:
+    marker = folder / MARKER
+    if not marker.is_file():
+        return None
+    art = VariantArtifact(**json.loads(marker.read_text()))
+    return replace(art, name=spec.name, path=str(folder), reused=True)
+
+
+def _from_row(row: dict[str, Any], spec: VariantSpec) -> VariantArtifact | None:
+    if row.get("status") != "built" or not row.get("path") or not (Path(row["path"]) / "config.json").is_file():
+        return None
+    versions = row.get("lib_versions") or {}
+    return VariantArtifact(
+        uid=row["variant_uid"],
+        model_uid=row["model_uid"],
+        name=spec.name,
+        method=row["method"],
+        scheme=row.get("scheme"),
+        bits=row.get("bits"),
+        group_size=row.get("group_size"),
+        path=row["path"],
+        recipe=row.get("recipe"),
+        recipe_hash=row.get("recipe_hash"),
+        lib_versions=json.loads(versions) if isinstance(versions, str) else dict(versions),
+        size_bytes=row.get("size_bytes"),
+        build_seconds=row.get("build_seconds"),
+        peak_memory_bytes=row.get("peak_memory_bytes"),
+        reused=True,
+    )
+
+
+def _peak_memory_bytes(on_gpu: bool) -> int:
+    if on_gpu:
+        return torch.cuda.max_memory_allocated()
+    # ru_maxrss is in KiB on Linux and is the process's peak so far, not this build's alone.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_variant(
+    model: ModelArtifact,
+    spec: VariantSpec,
+    calib: CalibrationSpec,
+    out_root: Path,
+    existing: Callable[[str], dict | None] | None = None,
+) -> VariantArtifact:
+    """Build `spec` of `model` under `out_root`, or return the earlier build of the same uid (reused=True).
+
+    `existing(uid)` may return the warehouse's row for the uid; a built row whose folder still
+    exists is reused too.
+    """
+    versions = lib_versions()
+    recipe, recipe_hash = recipe_for(spec)
+    texts = load_calibration(calib) if spec.needs_calibration else []
+    calibration = calibration_fingerprint(texts, calib.seq_len) if spec.needs_calibration else None
+    uid = variant_uid(model, recipe_hash, versions, calibration)
+    out_root = Path(out_root)
+    final = out_root / uid
+
+    reused = _from_marker(final, spec)
+    if reused is None and existing is not None and (row := existing(uid)) is not None:
+        reused = _from_row(row, spec)
+    if reused is not None:
+        return reused
+
+    built = VariantArtifact(
+        uid=uid,
+        model_uid=model.uid,
+        name=spec.name,
+        method=spec.method,
+        scheme=spec.scheme,
+        bits=spec.bits,
+        group_size=spec.group_size,
+        path=str(final),
+        recipe=recipe,
+        recipe_hash=recipe_hash,
+        lib_versions=versions,
+    )
+    out_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.", suffix=".tmp", dir=out_root))
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    try:
+        from quantgate.tasks.quantizers.llmcompressor import quantize
+
+        quantize(Path(model.path), spec, texts, calib.seq_len, tmp)
+        bad = _nonfinite_tensor(tmp)
+        error = None if bad is None else f"saved weights contain NaN/Inf in {bad}"
+    except Exception as e:  # any failure of this one build is recorded, not raised
+        log.warning("variant %s (%s) failed", spec.name, uid, exc_info=True)
+        error = _one_line(e)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return replace(
+            built, path=None, status="failed", error=f"{spec.name}: {error}", build_seconds=time.perf_counter() - start
+        )
+    built = replace(
+        built,
+        size_bytes=weights_bytes(tmp),
+        build_seconds=time.perf_counter() - start,
+        peak_memory_bytes=_peak_memory_bytes(on_gpu),
+    )
+    record = asdict(built)
+    del record["reused"]
+    (tmp / MARKER).write_text(json.dumps(record, indent=2))
+    if final.exists() and not (final / MARKER).is_file():
+        shutil.rmtree(final)  # not ours to trust: no marker means it was never completed
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        # Another process finished the same build first; keep its copy.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (other := _from_marker(final, spec)) is None:
+            raise
+        return other
+    return built
+
+
+build_variant_task = task(build_variant, name="quantize", tags=["quantize"])
