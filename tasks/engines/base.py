@@ -1,0 +1,63 @@
+"""What every inference engine offers the benchmark: load a checkpoint, generate from token ids, close."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+
+class EngineError(RuntimeError):
+    """An engine that cannot load or run; the message is one line."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: Literal["cpu", "cuda"]
+    dtype: Literal["float32", "bfloat16", "float16"]
+    seed: int = 0
+    enable_prefix_caching: bool = False
+    max_model_len: int | None = None
+    # vLLM only: share of GPU memory it may take (weights + KV cache), and CUDA graphs off.
+    gpu_memory_utilization: float = 0.8
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request, timed from the moment its generate call started."""
+
+    output_tokens: int
+    ttft_s: float | None
+    e2el_s: float
+
+    @property
+    def tpot_s(self) -> float | None:
+        # vLLM's definition: the first token is paid by TTFT, the rest share the remaining time.
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of one generate call: exactly the tokens each sequence produced, never padding."""
+
+    token_ids: list[list[int]]
+    wall_s: float
+    ttft_s: float | None
+    requests: list[RequestTiming]
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
+
+
+class Engine(Protocol):
+    name: str
+
+    def load(self, model_path: str, options: EngineOptions) -> None: ...
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True) -> Generation: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,77 @@
+"""Offline generation with vLLM (GPU only). The one module that imports vllm, and only inside methods."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from quantgate.tasks.engines.base import EngineError, EngineOptions, Generation, RequestTiming
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self) -> None:
+        self._llm: Any = None
+
+    def load(self, model_path: str, options: EngineOptions) -> None:
+        if options.device != "cuda":
+            raise EngineError("vllm engine runs on a CUDA GPU only")
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise EngineError(f"vllm is not importable: {e}") from None
+        self._llm = LLM(
+            model=model_path,
+            dtype=options.dtype,
+            seed=options.seed,
+            enable_prefix_caching=options.enable_prefix_caching,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            max_model_len=options.max_model_len,
+            enforce_eager=options.enforce_eager,
+            trust_remote_code=options.trust_remote_code,
+            # LLM turns stats off by default; without them RequestOutput.metrics is None (no TTFT).
+            disable_log_stats=False,
+        )
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True) -> Generation:
+        if self._llm is None:
+            raise EngineError("vllm engine: generate() before load()")
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(
+            max_tokens=max_new_tokens,
+            # min_tokens masks EOS out of the logits like transformers' min_new_tokens, so greedy picks
+            # the same tokens in both engines; ignore_eos alone would let EOS be chosen and carried on.
+            min_tokens=max_new_tokens if ignore_eos else 0,
+            ignore_eos=ignore_eos,
+            temperature=0.0,
+            detokenize=False,
+        )
+        start_wall = time.time()
+        start = time.perf_counter()
+        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        requests = [_timing(o.metrics, len(t), start_wall, wall) for o, t in zip(outputs, token_ids)]
+        ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
+        return Generation(token_ids=token_ids, wall_s=wall, ttft_s=min(ttfts) if ttfts else None, requests=requests)
+
+    def close(self) -> None:
+        # Dropping the last reference lets vLLM's finalizers stop its engine-core process.
+        self._llm = None
+        gc.collect()
+
+
+def _timing(metrics: Any, n_out: int, start_wall: float, wall: float) -> RequestTiming:
+    """Per-request times from vLLM's RequestStateStats: arrival_time is wall clock, first_token_latency is
+    measured from arrival, first/last_token_ts are engine-core monotonic stamps of the first and last token."""
+    latency = getattr(metrics, "first_token_latency", None)
+    arrival = getattr(metrics, "arrival_time", None)
+    first_ts = getattr(metrics, "first_token_ts", None)
+    last_ts = getattr(metrics, "last_token_ts", None)
+    if not latency or arrival is None or not first_ts or not last_ts:
+        return RequestTiming(output_tokens=n_out, ttft_s=None, e2el_s=wall)
+    ttft = (arrival - start_wall) + latency
+    return RequestTiming(output_tokens=n_out, ttft_s=ttft, e2el_s=ttft + (last_ts - first_ts))

@@ -1,0 +1,113 @@
+"""Peak memory and energy of a benchmark region: NVML on a CUDA GPU, the process's peak RSS on CPU.
+
+NVML (package nvidia-ml-py, module pynvml) is imported lazily; without it, or on a GPU that lacks a
+counter, the reading is None rather than a guess.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import threading
+from typing import Any
+
+
+class Telemetry:
+    """Open around everything the engine does (load included): `with Telemetry(device) as t: ...`.
+
+    GPU memory is the device's used memory sampled in a thread, minus what was used when the region
+    began; it is device-wide, so it also covers vLLM's engine-core process (and anyone else on the GPU).
+    """
+
+    def __init__(self, device: str, interval_s: float = 0.01) -> None:
+        self.device = device
+        self._interval_s = interval_s
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._baseline = 0
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Telemetry:
+        if self.device == "cuda":
+            self._open_nvml()
+        if self._handle is not None:
+            self._baseline = self._peak = self._used()
+            self._thread = threading.Thread(target=self._sample, name="nvml-memory", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._peak = max(self._peak, self._used())
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = self._handle = None
+
+    def energy_mj(self) -> int | None:
+        """The GPU's energy counter (millijoules since the driver loaded); None on CPU or when unsupported."""
+        if self._handle is None:
+            return None
+        try:
+            return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+        except self._nvml.NVMLError:
+            return None
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        if self.device == "cuda":
+            return max(self._peak - self._baseline, _torch_reserved_peak()) or None
+        # ru_maxrss is in KiB on Linux.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def _open_nvml(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # not installed, or no driver: memory falls back to torch, energy to None
+            return
+        try:
+            self._handle = _visible_device(pynvml)
+            self._nvml = pynvml
+        except pynvml.NVMLError:
+            pynvml.nvmlShutdown()
+
+    def _used(self) -> int:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._peak = max(self._peak, self._used())
+
+
+def _visible_device(pynvml: Any) -> Any:
+    # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES says which one CUDA calls device 0.
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    if first.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(first))
+    return pynvml.nvmlDeviceGetHandleByUUID(first)
+
+
+def _torch_reserved_peak() -> int:
+    import torch
+
+    return torch.cuda.max_memory_reserved() if torch.cuda.is_initialized() else 0
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        model = None
+    return f"cpu: {model or platform.machine()} ({os.cpu_count()} cores)"

@@ -1,0 +1,164 @@
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantgate.catalog.schema import ScenarioSpec
+from quantgate.tasks.benchmark import BenchmarkError, make_prompts, run_scenario
+from quantgate.tasks.engines import EngineOptions, create
+
+TINY = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "models" / "stories260k-i256"
+SMALL = ScenarioSpec(num_prompts=4, input_len=16, output_len=8, batch_size=4, warmup=1, repetitions=3, device="cpu")
+LINES = ["Once upon a time", "Tom was a small boy who loved trucks. He had a blue truck and a yellow truck.", "Mia"]
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = create("transformers")
+    e.load(str(TINY), EngineOptions(device="cpu", dtype="float32"))
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(LINES[:2]) + "\n\n" + LINES[2] + "\n")
+    return path
+
+
+def test_transformers_in_spawned_process_measures_exact_fixed_length_output():
+    r = run_scenario(str(TINY), "transformers", "tiny", SMALL)
+
+    assert r.status == "ok", r.reason
+    assert (r.num_requests, r.input_tokens, r.output_tokens) == (4, 4 * 16, 4 * 8)
+    assert r.tokens_per_s > 0 and r.requests_per_s > 0
+    assert 0 < r.ttft_ms < r.e2el_ms
+    assert len(r.repetitions) == 3
+    for rep in r.repetitions:
+        assert rep["output_tokens"] == 32
+        assert rep["tokens_per_s"] == pytest.approx(32 / rep["wall_s"])
+        # One batch of 4: every request shares the batch's TTFT and E2EL, so vLLM's TPOT formula holds per run.
+        assert rep["tpot_ms"] == pytest.approx((rep["e2el_ms"] - rep["ttft_ms"]) / (8 - 1))
+    assert r.tpot_ms == statistics.median(rep["tpot_ms"] for rep in r.repetitions)
+    assert r.tokens_per_s == statistics.median(rep["tokens_per_s"] for rep in r.repetitions)
+    assert r.peak_memory_bytes > 0 and r.energy_j_per_token is None
+    assert r.device.startswith("cpu") and set(r.versions) >= {"torch", "transformers"} and "vllm" not in r.versions
+    assert r.config["num_prompts"] == 4 and r.config["engine_options"]["dtype"] == "float32"
+    json.dumps(r.as_dict())  # storable as the warehouse's JSON columns
+
+
+def test_latency_scenario_times_each_request_alone():
+    scenario = SMALL.model_copy(update={"kind": "latency", "num_prompts": 3, "repetitions": 1, "warmup": 0})
+    r = run_scenario(str(TINY), "transformers", "lat", scenario, isolate=False)
+
+    assert r.status == "ok", r.reason
+    assert (r.num_requests, r.output_tokens) == (3, 3 * 8)
+    rep = r.repetitions[0]
+    assert rep["requests_per_s"] == pytest.approx(3 / rep["wall_s"])
+    assert rep["e2el_ms"] < rep["wall_s"] * 1000  # one request's latency, not the whole run
+
+
+@no_gpu
+def test_vllm_is_skipped_with_a_reason_on_a_cpu_machine():
+    r = run_scenario(str(TINY), "vllm", "tiny", SMALL.model_copy(update={"device": "auto"}))
+
+    assert r.status == "skipped"
+    assert "vllm" in r.reason.lower()
+    assert r.tokens_per_s is None and r.repetitions == []
+
+
+@no_gpu
+def test_cuda_scenario_is_skipped_on_a_cpu_machine():
+    r = run_scenario(str(TINY), "transformers", "tiny", SMALL.model_copy(update={"device": "cuda"}))
+
+    assert r.status == "skipped" and "CUDA" in r.reason
+
+
+def test_crash_in_the_child_is_a_one_line_failure(tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(TINY, broken)
+    (broken / "model.safetensors").chmod(0o644)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+
+    r = run_scenario(str(broken), "transformers", "tiny", SMALL)
+
+    assert r.status == "failed"
+    assert r.reason and "\n" not in r.reason and "Safetensor" in r.reason
+    assert r.tokens_per_s is None
+
+
+def test_missing_model_and_timeout_fail_without_raising(tmp_path):
+    missing = run_scenario(str(tmp_path / "nope"), "transformers", "tiny", SMALL)
+    slow = run_scenario(str(TINY), "transformers", "tiny", SMALL, timeout_s=0.5)
+
+    assert missing.status == "failed" and "no model folder" in missing.reason
+    assert slow.status == "failed" and slow.reason == "timed out after 0.5 s"
+
+
+def test_a_misspelt_engine_option_is_one_clear_error():
+    with pytest.raises(BenchmarkError, match=r"unknown engine option\(s\) \['gpu_mem'\]"):
+        run_scenario(str(TINY), "transformers", "tiny", SMALL, options={"gpu_mem": 0.5})
+
+
+def test_random_prompts_are_seeded_fixed_length_and_free_of_special_tokens():
+    a = make_prompts(SMALL, str(TINY))
+    b = make_prompts(SMALL, str(TINY))
+    other_seed = make_prompts(SMALL.model_copy(update={"seed": 1}), str(TINY))
+
+    assert a == b and a != other_seed
+    assert len(a) == 4 and all(len(p) == 16 for p in a)
+    assert not {0, 1, 2} & {t for p in a for t in p}  # <unk>, <s>, </s>
+
+
+def test_file_prompts_are_cut_to_input_len_and_filled_from_following_lines(prompts_file):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    encoded = [tok(line, add_special_tokens=False)["input_ids"] for line in LINES]
+    scenario = SMALL.model_copy(update={"prompts_file": str(prompts_file), "num_prompts": 4, "input_len": 10})
+
+    prompts = make_prompts(scenario, str(TINY))
+
+    assert [len(p) for p in prompts] == [10, 10, 10, 10]
+    assert prompts[0] == (encoded[0] + encoded[1])[:10]  # line 0 is short: continues into line 1
+    assert prompts[1] == encoded[1][:10]
+    assert prompts[2] == (encoded[2] + encoded[0] + encoded[1])[:10]  # wraps around the file
+    assert prompts[3] == prompts[0]
+
+
+def test_left_padding_gives_each_prompt_the_tokens_it_gets_alone(engine, prompts_file):
+    tok = engine._tokenizer
+    prompts = [tok(line)["input_ids"] for line in prompts_file.read_text().splitlines() if line]
+    assert len({len(p) for p in prompts}) == 3
+
+    batch = engine.generate(prompts, 6)
+
+    assert batch.output_tokens == [6, 6, 6]
+    assert [r.output_tokens for r in batch.requests] == [6, 6, 6]
+    assert 0 < batch.ttft_s < batch.wall_s
+    assert batch.token_ids == [engine.generate([p], 6).token_ids[0] for p in prompts]
+
+
+def test_counts_stop_at_eos_per_sequence(engine, tmp_path):
+    prompts = [engine._tokenizer(line)["input_ids"] for line in LINES]
+    fixed = engine.generate(prompts, 8).token_ids
+    # Make a token the first prompt generates early the EOS of a copy of the checkpoint.
+    eos = fixed[0][2]
+    copy = tmp_path / "eos"
+    shutil.copytree(TINY, copy)
+    (copy / "generation_config.json").chmod(0o644)
+    (copy / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": eos}))
+    other = create("transformers")
+    other.load(str(copy), EngineOptions(device="cpu", dtype="float32"))
+
+    stopped = other.generate(prompts, 8, ignore_eos=False)
+
+    expected = [row[: row.index(eos) + 1] if eos in row else row for row in fixed]
+    assert stopped.token_ids == expected
+    assert stopped.output_tokens[0] <= 3 and stopped.output_tokens == [len(r) for r in expected]
+    other.close()
