@@ -1,0 +1,596 @@
+"""Online serving benchmark: a `vllm serve` process, a streaming load client, and vLLM's own
+`vllm bench throughput` run beside it as a cross-check.
+
+Metric definitions follow vLLM's serving benchmark (vllm/benchmarks/lib/endpoint_request_func.py and
+vllm/benchmarks/serve.py, vLLM 0.26): TTFT is the time to the first streamed chunk that carries a
+choice; ITL is the gap between consecutive such chunks (one per chunk, so a chunk that carries several
+tokens gives one gap); E2EL ends at the last such chunk; the output token count comes from the final
+usage chunk and TPOT = (E2EL - TTFT) / (output tokens - 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# `python -m vllm.entrypoints.cli.main` is what the `vllm` console script runs, without relying on PATH.
+VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
+# The device has no route to the hubs or to usage collection; fail fast instead of retrying.
+_QUIET_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+class ServingError(RuntimeError):
+    """A server or benchmark run that cannot start or finish; the message is one line."""
+
+
+# --- the server process -------------------------------------------------------------------------
+
+
+@dataclass
+class ServerHandle:
+    """A server started by `start_server`, in its own process group so that stopping it also ends
+    the children it spawned (vLLM's engine-core and workers)."""
+
+    pid: int
+    base_url: str
+    model: str | None
+    log_path: Path
+    command: list[str]
+    process: subprocess.Popen = field(repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM the group, SIGKILL what is left after `grace_s`; returns the leader's exit code."""
+        _end_group(self.process, grace_s)
+        return self.process.returncode
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def vllm_serve_command(
+    model_path: str, *, host: str, port: int, served_model_name: str, extra_args: Sequence[str] = ()
+) -> list[str]:
+    return [
+        *VLLM_CLI,
+        "serve",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_model_name,
+        # Request logging is off by default in 0.26 (--enable-log-requests turns it on); the access log
+        # would add one line per request.
+        "--disable-uvicorn-access-log",
+        *extra_args,
+    ]
+
+
+def start_server(
+    model_path: str,
+    *,
+    port: int,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+    served_model_name: str = "model",
+    log_path: str | Path | None = None,
+    ready_timeout_s: float = 900.0,
+    command: Sequence[str] | None = None,
+) -> ServerHandle:
+    """Start `vllm serve` (or `command`, for tests) and wait until GET /health answers 200.
+
+    `env` is added to the current environment. The log (stdout and stderr) goes to `log_path`.
+    On a timeout or an early exit the process group is ended and ServingError names the log's tail.
+    """
+    cmd = (
+        list(command)
+        if command is not None
+        else vllm_serve_command(
+            model_path, host=host, port=port, served_model_name=served_model_name, extra_args=extra_args
+        )
+    )
+    if not _port_free(host, port):
+        raise ServingError(f"port {port} on {host} is already in use; pick another (free_port() finds one)")
+    log = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-serve-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as log_file:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=_environment(env),
+            start_new_session=True,
+        )
+    handle = ServerHandle(
+        pid=proc.pid,
+        base_url=f"http://{host}:{port}",
+        model=served_model_name if command is None else None,
+        log_path=log,
+        command=cmd,
+        process=proc,
+    )
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        if proc.poll() is not None:
+            _end_group(proc, grace_s=5)  # children it left behind
+            raise ServingError(f"server exited with code {proc.returncode} before it was ready: {_tail(log)}")
+        if _healthy(handle.base_url):
+            return handle
+        if time.monotonic() > deadline:
+            handle.stop()
+            raise ServingError(f"server not ready after {ready_timeout_s:.0f}s (log {log}): {_tail(log)}")
+        time.sleep(0.5)
+
+
+def _environment(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {**_QUIET_ENV, **os.environ}
+    env.update(extra or {})
+    return env
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As uvicorn binds: connections lingering in TIME_WAIT do not count, a listener does.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+# No proxy: the server is on loopback, and an http_proxy in the environment must not catch the probe.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        with _DIRECT.open(f"{base_url}/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
+    # start_new_session made the child a group leader: its pid is the group id.
+    pgid = proc.pid
+    if proc.poll() is not None and not _group_alive(pgid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    # The leader may be gone while children it spawned still run in the group.
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+# --- the streaming client -----------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """One request of a load run. Offsets are seconds from the start of the run."""
+
+    index: int
+    success: bool
+    error: str | None
+    prompt_len: int
+    output_tokens: int
+    ttft_s: float | None
+    itl_s: list[float]
+    e2el_s: float | None
+    tpot_s: float | None
+    arrival_offset_s: float  # when the request was due (Poisson schedule, or 0)
+    start_offset_s: float  # when it was sent, after waiting for a concurrency slot
+    server_metrics: dict[str, Any] | None = None  # vLLM's per-request timings, with --enable-per-request-metrics
+
+
+@dataclass
+class LoadRun:
+    records: list[RequestRecord]
+    duration_s: float
+    model: str
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objective for goodput; a request is good when it meets every limit given."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+
+def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
+    """Send times of n requests: all at 0 for an infinite rate, else a Poisson process whose gaps are
+    rescaled so the last arrival is at n / rate, as vLLM's benchmark does to steady the rate across seeds."""
+    if request_rate <= 0:
+        raise ServingError(f"request_rate must be > 0 (inf sends all at once), got {request_rate}")
+    if math.isinf(request_rate) or n == 0:
+        return [0.0] * n
+    rng = random.Random(seed)
+    offsets = list(itertools.accumulate(rng.expovariate(request_rate) for _ in range(n)))
+    scale = (n / request_rate) / offsets[-1]
+    return [o * scale for o in offsets]
+
+
+def run_load(
+    base_url: str,
+    prompts: list[list[int]],
+    output_len: int,
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    model: str | None = None,
+    ignore_eos: bool = True,
+    warmup: int = 0,
+    timeout_s: float = 6 * 3600,
+    extra_body: dict[str, Any] | None = None,
+) -> LoadRun:
+    """Send every prompt (token ids) to {base_url}/v1/completions, streaming, greedy, exactly
+    `output_len` tokens each when `ignore_eos`. `warmup` requests go first and are not recorded."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ServingError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
+    if output_len < 1:
+        raise ServingError(f"output_len must be >= 1, got {output_len}")
+    return asyncio.run(
+        _run_load(
+            base_url.rstrip("/"),
+            prompts,
+            output_len,
+            max_concurrency=max_concurrency,
+            request_rate=request_rate,
+            seed=seed,
+            model=model,
+            ignore_eos=ignore_eos,
+            warmup=warmup,
+            timeout_s=timeout_s,
+            extra_body=extra_body or {},
+        )
+    )
+
+
+async def _run_load(
+    base_url: str,
+    prompts: list[list[int]],
+    output_len: int,
+    *,
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int,
+    model: str | None,
+    ignore_eos: bool,
+    warmup: int,
+    timeout_s: float,
+    extra_body: dict[str, Any],
+) -> LoadRun:
+    import aiohttp
+
+    offsets = arrival_offsets(len(prompts), request_rate, seed)
+    # aiohttp caps a session at 100 connections by default; 0 lifts the cap so only the semaphore limits.
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, limit_per_host=max_concurrency or 0)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        model = model or await _first_model(session, base_url)
+        url = f"{base_url}/v1/completions"
+        body = {**_payload(output_len, ignore_eos), **extra_body, "model": model}
+        slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+        async def warm(i: int) -> None:
+            async with slots:
+                await _stream_one(session, url, body, prompts[i % len(prompts)], i, time.perf_counter())
+
+        await asyncio.gather(*(warm(i) for i in range(warmup)))
+
+        start = time.perf_counter()
+
+        async def one(i: int) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+            async with slots:
+                record = await _stream_one(session, url, body, prompts[i], i, start)
+            record.arrival_offset_s = offsets[i]
+            return record
+
+        records = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        duration = time.perf_counter() - start
+    config = {
+        "output_len": output_len,
+        "num_prompts": len(prompts),
+        "max_concurrency": max_concurrency,
+        "request_rate": None if math.isinf(request_rate) else request_rate,
+        "seed": seed,
+        "ignore_eos": ignore_eos,
+        "warmup": warmup,
+    }
+    return LoadRun(records=list(records), duration_s=duration, model=model, config=config)
+
+
+def _payload(output_len: int, ignore_eos: bool) -> dict[str, Any]:
+    return {
+        "max_tokens": output_len,
+        # min_tokens masks EOS like the offline engines do, so every request yields exactly output_len.
+        "min_tokens": output_len if ignore_eos else 0,
+        "ignore_eos": ignore_eos,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _first_model(session: Any, base_url: str) -> str:
+    try:
+        async with session.get(f"{base_url}/v1/models") as r:
+            r.raise_for_status()
+            data = await r.json()
+        return data["data"][0]["id"]
+    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the caller
+        raise ServingError(f"cannot list models at {base_url}/v1/models: {type(e).__name__}: {e}") from None
+
+
+async def _stream_one(
+    session: Any, url: str, body: dict[str, Any], prompt: list[int], index: int, run_start: float
+) -> RequestRecord:
+    record = RequestRecord(
+        index=index,
+        success=False,
+        error=None,
+        prompt_len=len(prompt),
+        output_tokens=0,
+        ttft_s=None,
+        itl_s=[],
+        e2el_s=None,
+        tpot_s=None,
+        arrival_offset_s=0.0,
+        start_offset_s=0.0,
+    )
+    st = time.perf_counter()
+    record.start_offset_s = st - run_start
+    last = st
+    chunks = 0
+    usage_tokens: int | None = None
+    try:
+        async with session.post(url, json={**body, "prompt": prompt}) as response:
+            if response.status != 200:
+                text = (await response.text())[:200].replace("\n", " ")
+                record.error = f"HTTP {response.status}: {text}"
+                return record
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            buffer = ""
+            async for raw in response.content.iter_any():
+                now = time.perf_counter()
+                buffer += decoder.decode(raw)
+                *lines, buffer = buffer.split("\n")
+                for line in lines:
+                    data = _sse_data(line)
+                    if data is None:
+                        continue
+                    if "error" in data:
+                        err = data["error"]
+                        record.error = f"server error: {err.get('message', err) if isinstance(err, dict) else err}"
+                        return record
+                    if data.get("choices"):
+                        if chunks == 0:
+                            record.ttft_s = now - st
+                        else:
+                            record.itl_s.append(now - last)
+                        last = now
+                        chunks += 1
+                    elif usage := data.get("usage"):
+                        usage_tokens = usage.get("completion_tokens")
+                        record.prompt_len = usage.get("prompt_tokens") or record.prompt_len
+                        record.server_metrics = data.get("metrics")
+    except Exception as e:  # noqa: BLE001 - recorded per request, the run goes on
+        record.error = f"{type(e).__name__}: {e}"
+        return record
+    if chunks == 0:
+        record.error = "the stream carried no token chunk"
+        return record
+    record.success = True
+    record.e2el_s = last - st
+    # Without a usage chunk, count chunks: exact only when each chunk carries one token.
+    record.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    if record.output_tokens > 1:
+        record.tpot_s = (record.e2el_s - record.ttft_s) / (record.output_tokens - 1)
+    return record
+
+
+def _sse_data(line: str) -> dict[str, Any] | None:
+    """The JSON of one `data:` line of a server-sent event stream; None for anything else."""
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None  # blank separators, ": ping" comments, event/id fields
+    payload = line[len("data:") :].strip()
+    if payload == "[DONE]":
+        return None
+    return json.loads(payload)
+
+
+# --- summary --------------------------------------------------------------------------------------
+
+PERCENTILES = (50, 90, 99)
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None = None) -> dict[str, Any]:
+    """Throughput and latency percentiles of one load run, in vLLM's definitions (milliseconds)."""
+    ok = [r for r in records if r.success]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    summary: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration_s,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "requests_per_s": len(ok) / duration_s,
+        "output_tokens_per_s": out_tokens / duration_s,
+        "total_tokens_per_s": (in_tokens + out_tokens) / duration_s,
+    }
+    series = {
+        "ttft": [r.ttft_s for r in ok],
+        "tpot": [r.tpot_s for r in ok if r.tpot_s is not None],
+        "itl": [gap for r in ok for gap in r.itl_s],
+        "e2el": [r.e2el_s for r in ok],
+    }
+    for name, values in series.items():
+        ms = np.asarray(values, dtype=float) * 1000
+        summary[f"{name}_ms_mean"] = float(ms.mean()) if ms.size else None
+        for p in PERCENTILES:
+            summary[f"{name}_ms_p{p}"] = float(np.percentile(ms, p)) if ms.size else None
+    if slo is not None:
+        good = sum(1 for r in ok if _meets(r, slo))
+        summary["slo"] = {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2el_ms": slo.e2el_ms}
+        summary["good_requests"] = good
+        summary["goodput_requests_per_s"] = good / duration_s
+    return summary
+
+
+def _meets(r: RequestRecord, slo: Slo) -> bool:
+    # As in vLLM: a request with one output token has TPOT 0 for goodput.
+    checks = ((slo.ttft_ms, r.ttft_s), (slo.tpot_ms, r.tpot_s or 0.0), (slo.e2el_ms, r.e2el_s))
+    return all(limit is None or value * 1000 <= limit for limit, value in checks)
+
+
+# --- vllm bench throughput, beside our numbers ---------------------------------------------------
+
+_THROUGHPUT_LINE = re.compile(
+    r"Throughput:\s*([\d.]+)\s*requests/s,\s*([\d.]+)\s*total tokens/s,\s*([\d.]+)\s*output tokens/s"
+)
+
+
+def vllm_bench_throughput(
+    model_path: str,
+    *,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    work_dir: str | Path,
+    seed: int = 0,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    timeout_s: float = 1800.0,
+    cli: Sequence[str] = VLLM_CLI,
+) -> dict[str, Any]:
+    """Run `vllm bench throughput` on the random dataset (EOS ignored, fixed lengths) and return its
+    numbers. vLLM's JSON has requests/s and total (prompt + output) tokens/s; output tokens/s comes
+    from its printed summary line. Engine flags (--dtype, --max-model-len, --load-format dummy ...)
+    go in `extra_args`."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    out_json = work / "vllm_bench_throughput.json"
+    log = work / "vllm_bench_throughput.log"
+    out_json.unlink(missing_ok=True)
+    cmd = [
+        *cli,
+        "bench",
+        "throughput",
+        "--model",
+        str(model_path),
+        "--dataset-name",
+        "random",
+        "--input-len",
+        str(input_len),
+        "--output-len",
+        str(output_len),
+        "--random-range-ratio",
+        "0",
+        "--num-prompts",
+        str(num_prompts),
+        "--seed",
+        str(seed),
+        "--output-json",
+        str(out_json),
+        *extra_args,
+    ]
+    with log.open("wb") as log_file:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=_environment(env),
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _end_group(proc, grace_s=10)
+            raise ServingError(f"vllm bench throughput ran past {timeout_s:.0f}s (log {log})") from None
+        finally:
+            if _group_alive(proc.pid):
+                _end_group(proc, grace_s=10)
+    if proc.returncode != 0 or not out_json.exists():
+        raise ServingError(f"vllm bench throughput failed (exit {proc.returncode}): {_tail(log)}")
+    data = json.loads(out_json.read_text())
+    match = _THROUGHPUT_LINE.search(log.read_text(errors="replace"))
+    output_tps = float(match.group(3)) if match else num_prompts * output_len / data["elapsed_time"]
+    return {
+        "requests_per_s": data["requests_per_second"],
+        "total_tokens_per_s": data["tokens_per_second"],
+        "output_tokens_per_s": output_tps,
+        "elapsed_s": data["elapsed_time"],
+        "num_requests": data["num_requests"],
+        "total_num_tokens": data["total_num_tokens"],
+        "command": cmd,
+    }
