@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 CATALOG_DIR = Path(__file__).resolve().parent
 DEFAULT_CATALOG = CATALOG_DIR / "models.yaml"
 LOCAL_TASKS_DIR = CATALOG_DIR / "lm_eval_tasks"
+EVAL_DATA_ENV = "QUANTGATE_EVAL_DATA"
 
 
 class CatalogError(ValueError):
@@ -96,8 +98,15 @@ class VariantSpec(Strict):
         return self.method in ("awq", "gptq")
 
 
+def eval_data_root() -> Path:
+    """$QUANTGATE_EVAL_DATA, else ../shared/data/eval beside the checkout (the offline eval data)."""
+    env = os.environ.get(EVAL_DATA_ENV)
+    return Path(env).expanduser() if env else CATALOG_DIR.parents[1] / "shared" / "data" / "eval"
+
+
 class CalibrationSpec(Strict):
-    text_file: str = "../shared/data/eval/simple_stories/simple_stories.txt"
+    # None: simple_stories.txt under the eval data root.
+    text_file: str | None = None
     samples: int = Field(default=32, ge=1)
     seq_len: int = Field(default=128, ge=8)
 
@@ -116,10 +125,38 @@ class SuiteSpec(Strict):
     num_fewshot: int | None = None
 
 
-class ScenarioSpec(Strict):
-    """A speed workload. Same prompts and output lengths for every engine (EOS ignored)."""
+class SloSpec(Strict):
+    """Service-level objective of a serving scenario: a request is good when it meets every limit given."""
 
-    kind: Literal["offline", "latency"] = "offline"
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    e2el_ms: float | None = Field(default=None, gt=0)
+
+
+class SpeculativeSpec(Strict):
+    """vLLM n-gram speculative decoding (prompt lookup): fields as vLLM 0.26's SpeculativeConfig names them."""
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(default=4, ge=1)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+    prompt_lookup_min: int = Field(default=2, ge=1)
+
+    @model_validator(mode="after")
+    def _window(self) -> SpeculativeSpec:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max {self.prompt_lookup_max}")
+        return self
+
+
+class ScenarioSpec(Strict):
+    """A speed workload. Same prompts and output lengths for every engine (EOS ignored).
+
+    offline: all prompts as fast as possible (vLLM takes them in one call and schedules them itself;
+    Transformers runs static batches of batch_size). latency: one request at a time. serving: a
+    `vllm serve` process driven at each `concurrency` (closed loop) and each Poisson `request_rates`.
+    """
+
+    kind: Literal["offline", "latency", "serving"] = "offline"
     engines: tuple[Literal["transformers", "vllm"], ...] = ("transformers", "vllm")
     num_prompts: int = Field(default=8, ge=1)
     input_len: int = Field(default=64, ge=1)
@@ -132,6 +169,25 @@ class ScenarioSpec(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_prefix_caching: bool = False
     seed: int = 0
+    # None: input_len + output_len. Scenarios that share an engine process must agree on it.
+    max_model_len: int | None = Field(default=None, ge=2)
+    # The first shared_prefix_len tokens of every prompt are the same (a common system prompt).
+    shared_prefix_len: int = Field(default=0, ge=0)
+    # Levers.
+    enforce_eager: bool = False
+    speculative: SpeculativeSpec | None = None
+    transformers_compile: bool = False
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    max_cudagraph_capture_size: int | None = Field(default=None, ge=1)
+    # dummy: speed only, random weights (a checkpoint folder without weight files is initialised randomly).
+    weights: Literal["real", "dummy"] = "real"
+    # serving only: each concurrency level sends `rounds` x level prompts (num_prompts when rounds is
+    # unset); each request rate sends num_prompts.
+    concurrency: tuple[Annotated[int, Field(ge=1)], ...] = ()
+    request_rates: tuple[Annotated[float, Field(gt=0)], ...] = ()
+    rounds: int | None = Field(default=None, ge=1)
+    slo: SloSpec | None = None
 
     @field_validator("repetitions")
     @classmethod
@@ -139,6 +195,126 @@ class ScenarioSpec(Strict):
         if v % 2 == 0:
             raise ValueError(f"repetitions must be odd so the median is a measured run, got {v}")
         return v
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _method_name(cls, v: object) -> object:
+        return {"method": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ScenarioSpec:
+        serving_only = {"concurrency": self.concurrency, "request_rates": self.request_rates,
+                        "rounds": self.rounds, "slo": self.slo}
+        if self.kind == "serving":
+            if not (self.concurrency or self.request_rates):
+                raise ValueError("a serving scenario needs concurrency levels or request_rates")
+            if tuple(self.engines) != ("vllm",):
+                raise ValueError(f"a serving scenario runs on vllm alone (engines: [vllm]), got {list(self.engines)}")
+        elif set_fields := [k for k, v in serving_only.items() if v]:
+            raise ValueError(f"{', '.join(set_fields)} apply to kind 'serving' only, not {self.kind!r}")
+        if self.shared_prefix_len >= self.input_len:
+            raise ValueError(f"shared_prefix_len {self.shared_prefix_len} must be shorter than input_len {self.input_len}")
+        if self.max_model_len is not None and self.max_model_len < self.input_len + self.output_len:
+            raise ValueError(f"max_model_len {self.max_model_len} is below input_len + output_len ({self.input_len + self.output_len})")
+        if self.transformers_compile and "transformers" not in self.engines:
+            raise ValueError("transformers_compile needs the transformers engine in engines")
+        for lever, on in (("speculative", self.speculative), ("tensor_parallel_size", self.tensor_parallel_size > 1)):
+            if on and "vllm" not in self.engines:
+                raise ValueError(f"{lever} is a vllm lever; add vllm to engines")
+        return self
+
+    @property
+    def model_len(self) -> int:
+        return self.max_model_len or self.input_len + self.output_len
+
+    def load_sizes(self) -> list[tuple[str, int | None, float | None, int]]:
+        """Serving loads in order: (label, max_concurrency, request_rate, number of prompts)."""
+        loads: list[tuple[str, int | None, float | None, int]] = [
+            (f"c={c}", c, None, c * self.rounds if self.rounds else self.num_prompts) for c in self.concurrency
+        ]
+        loads += [(f"rate={r:g}", None, r, self.num_prompts) for r in self.request_rates]
+        return loads
+
+
+class ShapeSpec(Strict):
+    """A model shape for dummy-weight speed runs: a preset config (tasks/dummy_weights.SHAPES) plus overrides."""
+
+    preset: str
+    overrides: dict[str, int | float | str | bool | list[int] | None] = {}
+
+
+class BuildSpec(Strict):
+    """A dummy checkpoint of the shape: BF16 (no weight files: engines initialise randomly) or W4A16
+    (random packed weights written, since vLLM's dummy loader leaves int32 packed weights uninitialised)."""
+
+    quant: Literal["w4a16"] | None = None
+    group_size: int = Field(default=128, ge=8)
+
+
+class SuiteStep(Strict):
+    """One isolated unit of the GPU suite: an engine process running its scenarios, a `vllm bench
+    throughput` cross-check (vllm-bench) or a `vllm serve` server driven through its loads (vllm-serve)."""
+
+    part: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    engine: Literal["transformers", "vllm", "vllm-bench", "vllm-serve"]
+    build: str
+    scenarios: tuple[str, ...] = Field(min_length=1)
+    timeout_s: float = Field(default=300, gt=0)
+
+
+class GpuSuiteSpec(Strict):
+    """catalog/gpu.yaml: dummy-weight shapes and builds, scenarios, and the steps in priority order."""
+
+    version: Literal[1]
+    shapes: dict[str, ShapeSpec]
+    builds: dict[str, BuildSpec]
+    base_build: str
+    scenarios: dict[str, ScenarioSpec]
+    steps: tuple[SuiteStep, ...]
+
+    @model_validator(mode="after")
+    def _references_resolve(self) -> GpuSuiteSpec:
+        if self.base_build not in self.builds:
+            raise ValueError(f"base_build: unknown build {self.base_build!r}; defined: {sorted(self.builds)}")
+        for i, step in enumerate(self.steps):
+            if step.build not in self.builds:
+                raise ValueError(f"steps.{i}.build: unknown build {step.build!r}; defined: {sorted(self.builds)}")
+            for name in step.scenarios:
+                if name not in self.scenarios:
+                    raise ValueError(f"steps.{i}.scenarios: unknown scenario {name!r}; defined: {sorted(self.scenarios)}")
+                s = self.scenarios[name]
+                wanted = {"vllm-serve": ("serving",), "vllm-bench": ("offline",)}.get(step.engine, ("offline", "latency"))
+                if s.kind not in wanted:
+                    raise ValueError(f"steps.{i}: engine {step.engine} runs {'/'.join(wanted)} scenarios, {name!r} is {s.kind}")
+                engine = step.engine.removesuffix("-bench").removesuffix("-serve")
+                if engine not in s.engines:
+                    raise ValueError(f"steps.{i}: scenario {name!r} does not list engine {engine!r}")
+            if step.engine in ("vllm-bench", "vllm-serve") and len(step.scenarios) != 1:
+                raise ValueError(f"steps.{i}: a {step.engine} step takes exactly one scenario")
+        return self
+
+
+def load_gpu_suite(path: str | Path) -> GpuSuiteSpec:
+    """Load and validate a GPU suite file (catalog/gpu.yaml); prompts_file paths resolve against its folder."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise CatalogError(f"{path}: no such GPU suite file") from None
+    except yaml.YAMLError as e:
+        raise CatalogError(f"{path}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{path}: (top level): expected a mapping with keys version, shapes, builds, scenarios, steps")
+    try:
+        suite = GpuSuiteSpec.model_validate(raw)
+    except ValidationError as e:
+        raise CatalogError(_one_line(path, e)) from None
+    base = path.parent.resolve()
+    scenarios = {
+        name: s.model_copy(update={"prompts_file": str((base / s.prompts_file).resolve()) if s.prompts_file else None})
+        for name, s in suite.scenarios.items()
+    }
+    return suite.model_copy(update={"scenarios": scenarios})
 
 
 class ModelSpec(Strict):
@@ -278,7 +454,8 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
             src = src.model_copy(update={"path": resolve(src.path)})
         elif isinstance(src, GgufSource) and src.path:
             src = src.model_copy(update={"path": resolve(src.path)})
-        calib = m.calibration.model_copy(update={"text_file": resolve(m.calibration.text_file)})
+        text = resolve(m.calibration.text_file) or str(eval_data_root() / "simple_stories" / "simple_stories.txt")
+        calib = m.calibration.model_copy(update={"text_file": text})
         models.append(m.model_copy(update={"source": src, "calibration": calib}))
     suites = {
         name: s.model_copy(

@@ -84,6 +84,9 @@ def sql(
             raise typer.BadParameter(str(e).splitlines()[0], param_hint="query") from None
         if rel is None:
             return
+        if fmt == "table":  # DuckDB's own box rendering, as its CLI prints it
+            rel.show(max_width=_width(), max_rows=10_000, max_col_width=120, null_value="NULL")
+            return
         df = rel.df()
     if fmt == "csv":
         sys.stdout.write(df.to_csv(index=False))
@@ -92,7 +95,7 @@ def sql(
     elif fmt == "markdown":
         sys.stdout.write(df.to_markdown(index=False) + "\n")
     else:
-        _print_rows(df.to_dict(orient="records"), list(df.columns))
+        raise typer.BadParameter(f"unknown format {fmt!r}: use table, csv, json or markdown", param_hint="--format")
 
 
 @app.command()
@@ -113,8 +116,15 @@ def catalog_validate(path: Annotated[Path, typer.Argument(help="catalog YAML")] 
                   f" {len(cat.scenarios)} scenarios, policy v{cat.policy.version} ({cat.policy.hash[:12]})")
 
 
+def _width() -> int:
+    import shutil
+
+    return max(shutil.get_terminal_size((200, 50)).columns, 120)
+
+
 def _print_rows(rows: list[dict], columns: list[str]) -> None:
     table = Table(show_lines=False)
+    console.width = _width()
     for c in columns:
         table.add_column(c, overflow="fold")
     for r in rows:

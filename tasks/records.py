@@ -45,6 +45,8 @@ class VariantArtifact:
     status: Literal["built", "failed"] = "built"
     error: str | None = None
     reused: bool = False
+    # "dummy": random weights of a real shape, for speed runs only (never evaluated or decided).
+    weights: Literal["real", "dummy"] = "real"
 
     @property
     def ok(self) -> bool:
@@ -70,6 +72,8 @@ class SampleResult:
     metric: str
     value: float | None
     detail: dict[str, Any]
+    # lm-eval logs a task's samples once per filter (e.g. gsm8k: strict-match, flexible-extract).
+    filter: str = "none"
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,22 @@ class SpeedResult:
     energy_j_per_token: float | None = None
     repetitions: list[dict[str, Any]] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
+    # (input + output) tokens per wall second, as `vllm bench throughput` counts its tokens/s.
+    total_tokens_per_s: float | None = None
+    # Batch-1 decode speed (1 / TPOT) against the memory-bandwidth roofline: weight bytes read per
+    # decode step over the device bandwidth measured in the same process.
+    decode_tokens_per_s: float | None = None
+    bandwidth_gbps: float | None = None
+    weight_bytes_per_token: int | None = None
+    roofline_fraction: float | None = None
+    # Memory beside peak_memory_bytes: the device's used memory (NVML) and this process's torch
+    # allocator, each at its highest; vLLM's KV-cache budget.
+    nvml_peak_bytes: int | None = None
+    torch_peak_bytes: int | None = None
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    # Anything else the run learnt: OOM retries, speculative-decoding acceptance, the bench command.
+    details: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

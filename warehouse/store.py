@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 
@@ -22,6 +22,9 @@ from quantgate.tasks.records import (
     SpeedResult,
     VariantArtifact,
 )
+
+if TYPE_CHECKING:
+    from quantgate.tasks.serving import ServingLoad, Slo
 
 HERE = Path(__file__).resolve().parent
 MIGRATIONS = HERE / "migrations"
@@ -199,10 +202,12 @@ def record_variant(con, run_id: str, v: VariantArtifact, role: str) -> None:
             if existing:
                 con.execute("DELETE FROM variants WHERE variant_uid = ?", [v.uid])
             con.execute(
-                "INSERT INTO variants VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO variants (variant_uid, model_uid, name, method, scheme, bits, group_size, path, recipe,"
+                " recipe_hash, lib_versions, size_bytes, build_seconds, peak_memory_bytes, status, error,"
+                " created_run_id, created_at, weights) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [v.uid, v.model_uid, v.name, v.method, v.scheme, v.bits, v.group_size, v.path, v.recipe,
                  v.recipe_hash, _json(v.lib_versions), v.size_bytes, v.build_seconds, v.peak_memory_bytes,
-                 v.status, v.error, run_id, _now()],
+                 v.status, v.error, run_id, _now(), v.weights],
             )
         con.execute(
             "INSERT INTO run_variants (run_id, variant_uid, role, reused) VALUES (?, ?, ?, ?)"
@@ -263,6 +268,7 @@ def record_quality(con, run_id: str, variant_uid: str, report: QualityReport) ->
                     "task": [s.task for s in report.samples],
                     "doc_id": [s.doc_id for s in report.samples],
                     "metric": [s.metric for s in report.samples],
+                    "filter": [s.filter for s in report.samples],
                     "value": [s.value for s in report.samples],
                     "detail": [_json(s.detail) for s in report.samples],
                 }
@@ -272,17 +278,24 @@ def record_quality(con, run_id: str, variant_uid: str, report: QualityReport) ->
             con.unregister("_samples")
 
 
+_SPEED_COLUMNS = (
+    "engine", "scenario", "status", "reason", "config", "device", "num_requests", "input_tokens", "output_tokens",
+    "tokens_per_s", "requests_per_s", "ttft_ms", "tpot_ms", "e2el_ms", "peak_memory_bytes", "energy_j_per_token",
+    "repetitions", "versions", "total_tokens_per_s", "decode_tokens_per_s", "bandwidth_gbps",
+    "weight_bytes_per_token", "roofline_fraction", "nvml_peak_bytes", "torch_peak_bytes", "kv_cache_tokens",
+    "kv_cache_bytes", "details",
+)
+_JSON_SPEED = {"config", "repetitions", "versions", "details"}
+
+
 def record_speed(con, run_id: str, variant_uid: str, results: Sequence[SpeedResult]) -> None:
+    columns = ("run_id", "variant_uid", *_SPEED_COLUMNS, "created_at")
+    sql = f"INSERT OR REPLACE INTO speed_results ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
     with transaction(con):
         for r in results:
             d = asdict(r)
-            con.execute(
-                "INSERT OR REPLACE INTO speed_results VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [run_id, variant_uid, r.engine, r.scenario, r.status, r.reason, _json(r.config), r.device,
-                 r.num_requests, r.input_tokens, r.output_tokens, r.tokens_per_s, r.requests_per_s, r.ttft_ms,
-                 r.tpot_ms, r.e2el_ms, r.peak_memory_bytes, r.energy_j_per_token, _json(d["repetitions"]),
-                 _json(r.versions), _now()],
-            )
+            values = [_json(d[c]) if c in _JSON_SPEED else d[c] for c in _SPEED_COLUMNS]
+            con.execute(sql, [run_id, variant_uid, *values, _now()])
 
 
 def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: dict[str, Any]) -> None:
@@ -302,3 +315,74 @@ def rows(con, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
     cur = con.execute(sql, list(params))
     cols = [d[0] for d in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+# --- GPU suite ---------------------------------------------------------------------------------
+
+
+def record_serving(con, run_id: str, variant_uid: str, engine: str, scenario: str, loads: Sequence[ServingLoad],
+                   slo: Slo | None) -> None:
+    """Store a serving scenario's loads and every request of them, replacing an earlier write of the same run."""
+    import pandas as pd
+
+    key = [run_id, variant_uid, engine, scenario]
+    where = "run_id = ? AND variant_uid = ? AND engine = ? AND scenario = ?"
+    with transaction(con):
+        con.execute(f"DELETE FROM serving_requests WHERE {where}", key)
+        con.execute(f"DELETE FROM serving_loads WHERE {where}", key)
+        for load in loads:
+            ok = [r for r in load.records if r.success]
+            con.execute(
+                "INSERT INTO serving_loads VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [*key, load.label, load.max_concurrency, load.request_rate, len(load.records), load.duration_s,
+                 len(ok), len(load.records) - len(ok), sum(r.output_tokens for r in ok), load.energy_j,
+                 slo.ttft_ms if slo else None, slo.tpot_ms if slo else None, slo.e2el_ms if slo else None, _now()],
+            )
+            if not load.records:
+                continue
+            ms = lambda s: None if s is None else s * 1000  # noqa: E731
+            frame = pd.DataFrame(
+                {
+                    "run_id": run_id, "variant_uid": variant_uid, "engine": engine, "scenario": scenario,
+                    "load": load.label,
+                    "request_index": [r.index for r in load.records],
+                    "success": [r.success for r in load.records],
+                    "error": [r.error for r in load.records],
+                    "prompt_tokens": [r.prompt_len for r in load.records],
+                    "output_tokens": [r.output_tokens for r in load.records],
+                    "ttft_ms": [ms(r.ttft_s) for r in load.records],
+                    "tpot_ms": [ms(r.tpot_s) for r in load.records],
+                    "e2el_ms": [ms(r.e2el_s) for r in load.records],
+                    "itl_ms": [[gap * 1000 for gap in r.itl_s] for r in load.records],
+                    "arrival_offset_s": [r.arrival_offset_s for r in load.records],
+                    "start_offset_s": [r.start_offset_s for r in load.records],
+                }
+            )
+            con.register("_requests", frame)
+            con.execute("INSERT INTO serving_requests SELECT * FROM _requests")
+            con.unregister("_requests")
+
+
+def record_suite_step(con, run_id: str, index: int, part: str, engine: str, build: str, scenarios: Sequence[str],
+                      status: str, reason: str | None, started_s: float | None, seconds: float | None) -> None:
+    with transaction(con):
+        con.execute(
+            "INSERT OR REPLACE INTO suite_steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [run_id, index, part, engine, build, list(scenarios), status, reason, started_s, seconds],
+        )
+
+
+def export_parquet(con, folder: str | Path) -> list[Path]:
+    """Every table and view of the warehouse as one Parquet file each (views as computed now)."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for (n,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY table_name"
+    ).fetchall()]
+    files = []
+    for name in names:
+        path = out / f"{name}.parquet"
+        target = str(path).replace("'", "''")
+        con.execute(f"COPY (SELECT * FROM \"{name}\") TO '{target}' (FORMAT parquet)")
+        files.append(path)
+    return files

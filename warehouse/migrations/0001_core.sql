@@ -94,9 +94,10 @@ CREATE TABLE quality_samples (
     task         VARCHAR NOT NULL,
     doc_id       INTEGER NOT NULL,
     metric       VARCHAR NOT NULL,
+    filter       VARCHAR NOT NULL,
     value        DOUBLE,
     detail       JSON,
-    PRIMARY KEY (variant_uid, eval_key, task, doc_id, metric)
+    PRIMARY KEY (variant_uid, eval_key, task, doc_id, metric, filter)
 );
 
 CREATE TABLE speed_results (

@@ -1,0 +1,83 @@
+"""Loaders for the qg_* tasks: read the offline eval data into `datasets` objects, never touching a hub.
+
+lm-eval calls a task's `custom_dataset` with the task metadata and `dataset_kwargs` as keyword arguments,
+so every loader takes **kwargs. The data root is $QUANTGATE_EVAL_DATA, else ../shared/data/eval beside the
+repository that holds this file.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import json
+import os
+from pathlib import Path
+
+from datasets import Dataset, DatasetDict
+
+DATA_ENV = "QUANTGATE_EVAL_DATA"
+
+
+def data_root() -> Path:
+    env = os.environ.get(DATA_ENV)
+    return Path(env).expanduser() if env else Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eval"
+
+
+def _file(*parts: str) -> Path:
+    path = data_root().joinpath(*parts)
+    if not path.is_file():
+        raise FileNotFoundError(f"eval data file {path} not found (set {DATA_ENV} to the folder that holds the eval data)")
+    return path
+
+
+def simple_stories(**kwargs) -> DatasetDict:
+    text = _file("simple_stories", "simple_stories.txt").read_text(encoding="utf-8")
+    stories = [s.strip() for s in text.split("\n\n") if s.strip()]
+    return DatasetDict({"test": Dataset.from_list([{"text": s} for s in stories])})
+
+
+def piqa(**kwargs) -> DatasetDict:
+    with _file("piqa", "valid.jsonl").open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    labels = _file("piqa", "valid-labels.lst").read_text().split()
+    if len(labels) != len(rows):
+        raise ValueError(f"piqa: {len(rows)} questions but {len(labels)} labels")
+    docs = [{"goal": r["goal"], "sol1": r["sol1"], "sol2": r["sol2"], "label": int(y)} for r, y in zip(rows, labels)]
+    return DatasetDict({"validation": Dataset.from_list(docs)})
+
+
+def hellaswag(**kwargs) -> DatasetDict:
+    # llama.cpp layout: 6 lines per item (context, gold index, 4 endings), already cleaned of WikiHow markup.
+    with bz2.open(_file("hellaswag", "hellaswag_val_full.txt.bz2"), "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    docs = [
+        {"query": lines[i], "label": int(lines[i + 1]), "choices": lines[i + 2 : i + 6]}
+        for i in range(0, len(lines) - 5, 6)
+    ]
+    return DatasetDict({"validation": Dataset.from_list(docs)})
+
+
+def truthfulqa_mc(**kwargs) -> DatasetDict:
+    items = json.loads(_file("truthfulqa", "mc_task.json").read_text(encoding="utf-8"))
+    docs = []
+    for item in items:
+        choices, labels = zip(*item["mc1_targets"].items())
+        docs.append({"question": item["question"], "choices": list(choices), "label": labels.index(1)})
+    return DatasetDict({"validation": Dataset.from_list(docs)})
+
+
+def gsm8k(**kwargs) -> DatasetDict:
+    with _file("gsm8k", "test.jsonl").open(encoding="utf-8") as f:
+        docs = [json.loads(line) for line in f if line.strip()]
+    return DatasetDict({"test": Dataset.from_list(docs)})
+
+
+def mmlu(subject: str, **kwargs) -> DatasetDict:
+    def read(split: str) -> Dataset:
+        with _file("mmlu", split, f"{subject}_{split}.csv").open(encoding="utf-8", newline="") as f:
+            rows = list(csv.DictReader(f))
+        return Dataset.from_list(
+            [{"question": r["question"], "choices": [r[f"choice{i}"] for i in range(4)], "answer": int(r["answer"])} for r in rows]
+        )
+
+    return DatasetDict({"dev": read("dev"), "test": read("test")})

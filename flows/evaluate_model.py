@@ -1,0 +1,148 @@
+"""evaluate-model: download → quantize → evaluate → benchmark → decide, one model, into the warehouse."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+
+from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, ModelSpec, adhoc_model, load_catalog
+from quantgate.tasks.benchmark import benchmark_task
+from quantgate.tasks.decide import decide_task
+from quantgate.tasks.download import download_task
+from quantgate.tasks.evaluate import eval_key, evaluate_task
+from quantgate.tasks.quantize import base_variant, build_variant_task, lib_versions
+from quantgate.tasks.records import ModelArtifact, VariantArtifact
+from quantgate.warehouse import store
+
+
+def work_dir(explicit: str | None = None) -> Path:
+    return Path(explicit or os.environ.get("QUANTGATE_HOME", ".quantgate")).resolve()
+
+
+def _run_name() -> str:
+    params = flow_run.parameters
+    return f"evaluate {params['model']}" + (f" [{','.join(params['variants'])}]" if params.get("variants") else "")
+
+
+@flow(name="evaluate-model", flow_run_name=_run_name, log_prints=True)
+def evaluate_model(
+    model: str,
+    catalog: str | None = None,
+    warehouse: str | None = None,
+    variants: list[str] | None = None,
+    workdir: str | None = None,
+) -> list[dict]:
+    """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for."""
+    cat_path = Path(catalog) if catalog else DEFAULT_CATALOG
+    cat = load_catalog(cat_path)
+    spec = adhoc_model(cat, model, variants)
+    run_id = str(flow_run.id)
+    wh = warehouse or str(store.default_path())
+    root = work_dir(workdir)
+    with store.session(wh) as con:
+        store.start_run(con, run_id, "evaluate-model", spec.id, str(cat_path.resolve()), cat.hash,
+                        platform.node(), lib_versions())
+    try:
+        _evaluate(cat, spec, run_id, wh, root)
+    except Exception as e:
+        with store.session(wh) as con:
+            store.finish_run(con, run_id, error=_one_line(e))
+        raise
+    with store.session(wh) as con:
+        store.finish_run(con, run_id)
+        card = store.rows(con, "SELECT * FROM variant_scorecard WHERE run_id = ?", [run_id])
+    _publish(spec.id, card)
+    return card
+
+
+def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path) -> None:
+    log = get_run_logger()
+    model: ModelArtifact = download_task(spec, root / "models")
+    with store.session(wh) as con:
+        store.record_model(con, run_id, model)
+        base = base_variant(model)
+        store.record_variant(con, run_id, base, role="base")
+
+    def known(uid: str) -> dict | None:
+        with store.session(wh, read_only=True) as con:
+            return store.find_variant(con, uid)
+
+    built: list[VariantArtifact] = []
+    for name in spec.variants:
+        variant = build_variant_task(model, cat.variants[name], spec.calibration, root / "variants", known)
+        log.info("%s: %s%s", name, "reused" if variant.reused else variant.status,
+                 f" ({variant.error})" if variant.error else "")
+        with store.session(wh) as con:
+            store.record_variant(con, run_id, variant, role="variant")
+        built.append(variant)
+
+    suite = cat.suites[spec.suite]
+    backend, device, dtype = _eval_setup()
+    key = eval_key(suite, backend, dtype)
+    for v in [base, *[b for b in built if b.ok]]:
+        with store.session(wh, read_only=True) as con:
+            done = store.has_quality(con, v.uid, key)
+        if done:
+            log.info("%s: quality results for this evaluation config already stored; reused", v.name)
+            with store.session(wh) as con:
+                store.link_quality(con, run_id, v.uid, key)
+            continue
+        report = evaluate_task(v.path, suite, backend=backend, device=device, dtype=dtype,
+                               trust_remote_code=spec.trust_remote_code)
+        with store.session(wh) as con:
+            store.record_quality(con, run_id, v.uid, report)
+
+    for v in [base, *[b for b in built if b.ok]]:
+        results = [
+            benchmark_task(v.path, engine, name, cat.scenarios[name])
+            for name in spec.scenarios
+            for engine in cat.scenarios[name].engines
+        ]
+        with store.session(wh) as con:
+            store.record_speed(con, run_id, v.uid, results)
+
+    with store.session(wh) as con:
+        recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
+        speed = store.rows(con, "SELECT * FROM variant_speedup WHERE run_id = ?", [run_id])
+        rows = store.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
+                               " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
+        decisions = [
+            decide_task(row, base.size_bytes,
+                        [r for r in recovery if r["variant_uid"] == row["variant_uid"]],
+                        [r for r in speed if r["variant_uid"] == row["variant_uid"]], cat.policy)
+            for row in rows
+        ]
+        store.record_decisions(con, run_id, decisions, cat.policy.model_dump(mode="json"))
+    for d in decisions:
+        log.info("%s", d.reason)
+
+
+def _eval_setup() -> tuple[str, str, str]:
+    """lm-eval's vLLM backend on a GPU machine that has vLLM, else Transformers (bf16 on GPU, fp32 on CPU)."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "hf", "cpu", "float32"
+    return ("vllm" if importlib.util.find_spec("vllm") else "hf"), "cuda", "bfloat16"
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _publish(model_id: str, card: list[dict]) -> None:
+    lines = [f"# {model_id}", "", "| variant | decision | recovery | speedup | size ratio | reason |", "|---|---|---|---|---|---|"]
+    for r in card:
+        fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
+        lines.append(f"| {r['variant']} | {r['decision']} | {fmt(r['quality_recovery'])} | {fmt(r['speedup'])}"
+                     f" | {fmt(r['size_ratio'])} | {r['reason']} |")
+    key = "scorecard-" + "".join(c if c.isalnum() else "-" for c in model_id.lower())
+    create_markdown_artifact("\n".join(lines), key=key[:100], description=f"quantgate scorecard for {model_id}")

@@ -1,0 +1,342 @@
+"""Quality evaluation with lm-evaluation-harness; the only module that imports lm_eval.
+
+Each evaluation runs in a fresh Python process (this module run with -m). huggingface_hub and datasets
+read their offline switches once, at import, so only a new process can take them; and a vLLM engine gives
+its GPU memory back only when its process ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from quantgate.catalog.schema import LOCAL_TASKS_DIR, SuiteSpec
+from quantgate.tasks.records import MetricResult, QualityReport, SampleResult
+
+log = logging.getLogger(__name__)
+
+EVALUATOR = "lm-eval"
+DATA_ENV = "QUANTGATE_EVAL_DATA"  # read by catalog/lm_eval_tasks/utils.py inside the evaluation process
+BOOTSTRAP_ITERS = 1000  # lm-eval's default (100,000) makes bootstrapped stderrs (bleu, ...) take minutes
+
+Backend = Literal["hf", "vllm"]
+
+
+class EvaluationError(RuntimeError):
+    """An evaluation that could not run; the message is one line."""
+
+
+def eval_key(suite: SuiteSpec, backend: Backend, dtype: str = "float32") -> str:
+    """Hash of what decides the numbers: each task's resolved config and limit, few-shot, lm-eval version, backend, dtype.
+
+    Built-in lm-eval tasks are pinned by the lm-eval version, so only their names go in.
+    """
+    index = _local_index(suite)
+    fingerprint = {
+        "evaluator": EVALUATOR,
+        "backend": backend,
+        "dtype": dtype,
+        "lm_eval": version("lm_eval"),
+        "num_fewshot": suite.num_fewshot,
+        "tasks": [{"name": t.name, "limit": t.limit, "config": _resolved_config(t.name, index)} for t in suite.tasks],
+    }
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_config(
+    model_path: str, suite: SuiteSpec, *, backend: Backend, device: str, dtype: str, trust_remote_code: bool
+) -> dict[str, Any]:
+    return {
+        "model_path": model_path,
+        "backend": backend,
+        "device": device,
+        "dtype": dtype,
+        "trust_remote_code": trust_remote_code,
+        # vLLM schedules its own batches; lm-eval's "auto" hands it every request at once.
+        "batch_size": suite.batch_size if backend == "hf" else "auto",
+        "num_fewshot": suite.num_fewshot,
+        "tasks": [t.model_dump() for t in suite.tasks],
+        "bootstrap_iters": BOOTSTRAP_ITERS,
+        "eval_data": os.environ.get(DATA_ENV),
+        "lm_eval": version("lm_eval"),
+    }
+
+
+def evaluate(
+    model_path: str,
+    suite: SuiteSpec,
+    *,
+    backend: Backend = "hf",
+    device: str = "cpu",
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> QualityReport:
+    """Run the suite on a local checkpoint. Raises EvaluationError (one line) when it cannot."""
+    if backend not in ("hf", "vllm"):
+        raise EvaluationError(f"unknown lm-eval backend {backend!r}: use 'hf' or 'vllm'")
+    names = [t.name for t in suite.tasks]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise EvaluationError(f"tasks listed more than once in the suite: {dupes}")
+    if not Path(model_path).is_dir():
+        raise EvaluationError(f"model folder {model_path} does not exist")
+    key = eval_key(suite, backend, dtype)
+    config = run_config(model_path, suite, backend=backend, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    builtin = [n for n in names if n not in _local_index(suite)]
+    env = dict(os.environ)
+    if not builtin:  # every task reads local files: nothing may reach for a hub
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("HF_DATASETS_OFFLINE", "1")
+    request = {
+        "model_path": model_path,
+        "suite": suite.model_dump(mode="json"),
+        "include_paths": _include_paths(suite),
+        "builtin": bool(builtin),
+        **{k: config[k] for k in ("backend", "device", "dtype", "trust_remote_code", "batch_size")},
+    }
+    log.info("lm-eval %s on %s: %s (%s, %s, %s)", config["lm_eval"], model_path, names, backend, device, dtype)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="quantgate-lm-eval-") as tmp:
+        request_file, result_file = Path(tmp, "request.json"), Path(tmp, "result.json")
+        request_file.write_text(json.dumps(request))
+        proc = subprocess.run([sys.executable, "-m", __name__, str(request_file), str(result_file)], env=env)
+        if not result_file.is_file():
+            raise EvaluationError(f"the lm-eval process exited with code {proc.returncode} before writing results")
+        out = json.loads(result_file.read_text())
+    if "error" in out:
+        raise EvaluationError(out["error"])
+    seconds = time.perf_counter() - start
+    log.info("lm-eval done in %.1f s: %d metrics, %d sample rows", seconds, len(out["metrics"]), len(out["samples"]))
+    return QualityReport(
+        eval_key=key,
+        evaluator=EVALUATOR,
+        config=config,
+        metrics=[MetricResult(**m) for m in out["metrics"]],
+        samples=[SampleResult(**s) for s in out["samples"]],
+        seconds=seconds,
+    )
+
+
+# --- task configs, resolved for the eval key -----------------------------------------------------------------
+
+
+def _include_paths(suite: SuiteSpec) -> list[str]:
+    extra = [t.include_path for t in suite.tasks if t.include_path]
+    return list(dict.fromkeys([str(LOCAL_TASKS_DIR), *extra]))
+
+
+def _local_index(suite: SuiteSpec) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=_include_paths(suite), include_defaults=False).task_index
+
+
+def _resolved_config(name: str, index: dict) -> Any:
+    entry = index.get(name)
+    if entry is None:
+        return None
+    if entry.yaml_path is None:  # a tag: the tasks that carry it
+        return {"tag": name, "tasks": {t: _resolved_config(t, index) for t in sorted(entry.tags)}}
+    cfg = _read_yaml(Path(entry.yaml_path))
+    if isinstance(cfg.get("task"), list):  # a group: fold in its members' configs
+        cfg["task"] = [_resolved_member(m, index) for m in cfg["task"]]
+    return cfg
+
+
+def _resolved_member(member: Any, index: dict) -> Any:
+    name = member.get("task") if isinstance(member, dict) else member
+    resolved = _resolved_config(name, index) if isinstance(name, str) else None
+    return member if resolved is None else {"member": member, "config": resolved}
+
+
+def _read_yaml(path: Path) -> dict:
+    """The YAML as lm-eval merges it (includes first, own keys win), each !function named with its file's hash."""
+
+    def function(loader: yaml.SafeLoader, node: yaml.Node) -> dict:
+        spec = loader.construct_scalar(node)
+        module = path.parent / (spec.rpartition(".")[0].replace(".", "/") + ".py")
+        digest = hashlib.sha256(module.read_bytes()).hexdigest() if module.is_file() else None
+        return {"!function": spec, "sha256": digest}
+
+    loader = type("FunctionLoader", (yaml.SafeLoader,), {})
+    loader.add_constructor("!function", function)
+    cfg = yaml.load(path.read_text(), Loader=loader)  # noqa: S506 - SafeLoader plus one tag
+    includes = cfg.pop("include", [])
+    merged: dict = {}
+    for inc in includes if isinstance(includes, list) else [includes]:
+        inc_cfg = _read_yaml(path.parent / inc)
+        inc_cfg.pop("task_list", None)
+        merged.update(inc_cfg)
+    return merged | cfg
+
+
+# --- the evaluation process ---------------------------------------------------------------------------------
+
+
+def _run(request: dict) -> dict:
+    import lm_eval
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    suite = SuiteSpec.model_validate(request["suite"])
+    paths = request["include_paths"]
+    manager = TaskManager(include_path=paths, include_defaults=request["builtin"])
+    by_limit: dict[int | None, list] = defaultdict(list)
+    for task in suite.tasks:
+        if task.name not in manager.task_index:
+            raise EvaluationError(f"unknown lm-eval task {task.name!r}: not in {paths} nor among lm-eval's built-in tasks")
+        try:
+            loaded = manager.load(task.name)
+        except Exception as e:
+            raise EvaluationError(f"task {task.name!r} could not be loaded: {_one_line(e)}") from None
+        groups = loaded.get("groups", {})
+        by_limit[task.limit] += [groups[task.name]] if task.name in groups else list(loaded["tasks"].values())
+
+    backend = request["backend"]
+    model_args: dict[str, Any] = {
+        "pretrained": request["model_path"],
+        "dtype": request["dtype"],
+        "trust_remote_code": request["trust_remote_code"],
+    }
+    # vLLM picks its GPU from CUDA_VISIBLE_DEVICES and rejects a device argument.
+    extra = {"batch_size": request["batch_size"], "device": request["device"] if backend == "hf" else None}
+    try:
+        lm = get_model(backend).create_from_arg_obj(model_args, extra)
+    except Exception as e:
+        raise EvaluationError(f"could not load {request['model_path']} with lm-eval's {backend!r} backend: {_one_line(e)}") from None
+
+    metrics: list[dict] = []
+    samples: list[dict] = []
+    for limit, tasks in by_limit.items():  # simple_evaluate takes one limit for all its tasks
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            limit=limit,
+            num_fewshot=suite.num_fewshot,
+            log_samples=True,
+            task_manager=manager,
+            bootstrap_iters=BOOTSTRAP_ITERS,
+        )
+        metrics += _metric_rows(results)
+        samples += _sample_rows(results)
+    return {"metrics": metrics, "samples": samples}
+
+
+def _metric_rows(results: dict) -> list[dict]:
+    rows = []
+    for task, row in results["results"].items():
+        for key, value in row.items():
+            if "," not in key or "_stderr," in key:
+                continue
+            metric, filter_ = key.split(",", 1)
+            n = results["n-samples"].get(task, {}).get("effective", row.get("sample_len"))
+            version_ = results["versions"].get(task)
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "filter": filter_,
+                    "value": _number(value),
+                    "stderr": _number(row.get(f"{metric}_stderr,{filter_}")),
+                    "n_samples": None if n is None else int(n),
+                    "task_version": None if version_ is None else str(version_),
+                    "higher_is_better": results["higher_is_better"].get(task, {}).get(metric),
+                }
+            )
+    return rows
+
+
+def _sample_rows(results: dict) -> list[dict]:
+    rows = []
+    for task, logged in results.get("samples", {}).items():
+        output_type = results["configs"][task]["output_type"]
+        for sample in logged:
+            detail = _detail(sample, output_type)
+            for metric in sample["metrics"]:
+                value, extra = sample[metric], {}
+                # Corpus-level metrics log a pair per doc and aggregate later: perplexities (loglikelihood,
+                # words or bytes), f1/mcc/bleu (gold, prediction). Only the first kind has a number per doc.
+                if isinstance(value, (list, tuple)):
+                    if output_type == "loglikelihood_rolling":
+                        value, extra = value[0], {"weight": _number(value[1])}
+                    else:
+                        value, extra = None, {"pair": _compact(value)}
+                rows.append(
+                    {
+                        "task": task,
+                        "doc_id": int(sample["doc_id"]),
+                        "metric": metric,
+                        "value": _number(value),
+                        "detail": detail | extra,
+                        "filter": sample["filter"],
+                    }
+                )
+    return rows
+
+
+def _detail(sample: dict, output_type: str) -> dict:
+    resps = sample["filtered_resps"]
+    detail: dict[str, Any] = {"target": _compact(sample["target"])}
+    if output_type == "multiple_choice":
+        detail["lls"] = [float(r[0]) for r in resps]
+    elif output_type == "loglikelihood":
+        detail |= {"ll": float(resps[0][0]), "greedy": bool(resps[0][1])}
+    elif output_type == "loglikelihood_rolling":
+        detail["ll"] = float(resps[0])
+    elif output_type == "generate_until":
+        detail |= {"response": _compact(sample["resps"][0][0]), "filtered": _compact(resps[0])}
+    return detail
+
+
+def _compact(value: Any, limit: int = 200) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + "…"
+    if isinstance(value, (list, tuple)):
+        return [_compact(v, limit) for v in value]
+    if isinstance(value, float):
+        return _number(value)
+    if isinstance(value, (bool, int)) or value is None:
+        return value
+    return _compact(str(value), limit)
+
+
+def _number(value: Any) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):  # lm-eval writes "N/A" where it has no stderr
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _one_line(e: BaseException) -> str:
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= 300 else text[:300] + "…"
+
+
+def _main(request_file: str, result_file: str) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = _run(json.loads(Path(request_file).read_text()))
+    except EvaluationError as e:
+        out = {"error": str(e)}
+    except Exception as e:
+        log.exception("lm-eval failed")
+        out = {"error": _one_line(e)}
+    Path(result_file).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])
