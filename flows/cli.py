@@ -11,10 +11,11 @@ from typing import Annotated, Optional
 
 import click
 import typer
+from prefect.exceptions import FailedRun
 from rich.console import Console
 from rich.table import Table
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, load_catalog, resolve_variants
+from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, adhoc_model, load_catalog, resolve_variants
 from quantgate.warehouse import store
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Gate quantized LLM builds on quality and speed.")
@@ -54,6 +55,7 @@ def run(
 
     cat = load_catalog(catalog or DEFAULT_CATALOG)
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
+    adhoc_model(cat, model, chosen)  # an unknown model fails here, in one line, before any run starts
     card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
                           warehouse=str(warehouse) if warehouse else None, variants=chosen,
                           workdir=str(workdir) if workdir else None)
@@ -160,7 +162,7 @@ def main() -> None:
             traceback.print_exc()
         msg = getattr(e, "format_message", lambda: str(e))()
         first = (msg.strip().splitlines() or [type(e).__name__])[0]
-        known = isinstance(e, (CatalogError, store.WarehouseError)) or type(e).__name__.endswith("Error")
+        known = isinstance(e, (CatalogError, store.WarehouseError, FailedRun)) or type(e).__name__.endswith("Error")
         err.print(f"error: {first}" if known else f"error: {type(e).__name__}: {first}", highlight=False)
         sys.exit(1)
 

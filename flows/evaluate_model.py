@@ -9,15 +9,19 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from prefect.states import Failed, State
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, ModelSpec, adhoc_model, load_catalog
+from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog
 from quantgate.tasks.benchmark import benchmark_task
 from quantgate.tasks.decide import decide_task
-from quantgate.tasks.download import download_task
+from quantgate.tasks.download import DownloadError, download_task
 from quantgate.tasks.evaluate import eval_key, evaluate_task
-from quantgate.tasks.quantize import base_variant, build_variant_task, lib_versions
+from quantgate.tasks.quantize import CalibrationError, base_variant, build_variant_task, lib_versions
 from quantgate.tasks.records import ModelArtifact, VariantArtifact
 from quantgate.warehouse import store
+
+
+USER_ERRORS = (CatalogError, DownloadError, CalibrationError)
 
 
 def work_dir(explicit: str | None = None) -> Path:
@@ -36,7 +40,7 @@ def evaluate_model(
     warehouse: str | None = None,
     variants: list[str] | None = None,
     workdir: str | None = None,
-) -> list[dict]:
+) -> list[dict] | State:
     """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for."""
     cat_path = Path(catalog) if catalog else DEFAULT_CATALOG
     cat = load_catalog(cat_path)
@@ -49,6 +53,11 @@ def evaluate_model(
                         platform.node(), lib_versions())
     try:
         _evaluate(cat, spec, run_id, wh, root)
+    except USER_ERRORS as e:
+        # Bad input: one line in the run row and in the flow's state, no traceback.
+        with store.session(wh) as con:
+            store.finish_run(con, run_id, error=str(e))
+        return Failed(message=str(e))
     except Exception as e:
         with store.session(wh) as con:
             store.finish_run(con, run_id, error=_one_line(e))

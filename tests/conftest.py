@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ TINY_MODEL = SHARED / "models" / "stories260k-i256"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# Prefect's ephemeral API keeps its SQLite database here, not in the user's ~/.prefect.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="quantgate-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 @pytest.fixture

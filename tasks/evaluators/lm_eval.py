@@ -210,6 +210,10 @@ def _run(request: dict) -> dict:
         "dtype": request["dtype"],
         "trust_remote_code": request["trust_remote_code"],
     }
+    if backend == "vllm":
+        # Scoring speed is not what is measured here: skip torch.compile and CUDA-graph capture (a minute per
+        # engine start) and leave the GPU room for the next engine.
+        model_args |= {"enforce_eager": True, "gpu_memory_utilization": 0.5}
     # vLLM picks its GPU from CUDA_VISIBLE_DEVICES and rejects a device argument.
     extra = {"batch_size": request["batch_size"], "device": request["device"] if backend == "hf" else None}
     try:
