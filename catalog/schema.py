@@ -144,7 +144,9 @@ class SpeculativeSpec(Strict):
     @model_validator(mode="after")
     def _window(self) -> SpeculativeSpec:
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max {self.prompt_lookup_max}")
+            raise ValueError(
+                f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max {self.prompt_lookup_max}"
+            )
         return self
 
 
@@ -213,9 +215,12 @@ class ScenarioSpec(Strict):
         elif set_fields := [k for k, v in serving_only.items() if v]:
             raise ValueError(f"{', '.join(set_fields)} apply to kind 'serving' only, not {self.kind!r}")
         if self.shared_prefix_len >= self.input_len:
-            raise ValueError(f"shared_prefix_len {self.shared_prefix_len} must be shorter than input_len {self.input_len}")
+            raise ValueError(
+                f"shared_prefix_len {self.shared_prefix_len} must be shorter than input_len {self.input_len}"
+            )
         if self.max_model_len is not None and self.max_model_len < self.input_len + self.output_len:
-            raise ValueError(f"max_model_len {self.max_model_len} is below input_len + output_len ({self.input_len + self.output_len})")
+            needed = self.input_len + self.output_len
+            raise ValueError(f"max_model_len {self.max_model_len} is below input_len + output_len ({needed})")
         if self.transformers_compile and "transformers" not in self.engines:
             raise ValueError("transformers_compile needs the transformers engine in engines")
         for lever, on in (("speculative", self.speculative), ("tensor_parallel_size", self.tensor_parallel_size > 1)):
@@ -285,7 +290,9 @@ class GpuSuiteSpec(Strict):
                 s = self.scenarios[name]
                 wanted = {"vllm-serve": ("serving",), "vllm-bench": ("offline",)}.get(step.engine, ("offline", "latency"))
                 if s.kind not in wanted:
-                    raise ValueError(f"steps.{i}: engine {step.engine} runs {'/'.join(wanted)} scenarios, {name!r} is {s.kind}")
+                    raise ValueError(
+                        f"steps.{i}: engine {step.engine} runs {'/'.join(wanted)} scenarios, {name!r} is {s.kind}"
+                    )
                 engine = step.engine.removesuffix("-bench").removesuffix("-serve")
                 if engine not in s.engines:
                     raise ValueError(f"steps.{i}: scenario {name!r} does not list engine {engine!r}")

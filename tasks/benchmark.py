@@ -1,20 +1,23 @@
-"""Speed benchmark of one checkpoint: engine × scenario, each run in a fresh spawned process.
+"""Speed benchmark of one checkpoint: engine × scenarios, each engine in a fresh spawned process.
 
-A fresh process per run means engines never share a CUDA context or allocator state, and a crash,
-an out-of-memory kill or a hang costs that one result ("failed", with a one-line reason), not the flow.
+A fresh process per engine start means engines never share a CUDA context or allocator state, and a
+crash, an out-of-memory kill or a hang costs that run's results ("failed", with a one-line reason), not
+the flow. Scenarios that need the same engine options may share one process (one engine start).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +27,15 @@ from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks import engines
 from quantgate.tasks.engines import Engine, EngineOptions, RequestTiming
 from quantgate.tasks.records import SpeedResult
-from quantgate.tasks.telemetry import Telemetry, device_name
+from quantgate.tasks.roofline import (
+    RooflineError,
+    checkpoint_tensors,
+    decode_weight_bytes,
+    dequantized_tensors,
+    kv_bytes_per_token,
+    roofline_fraction,
+)
+from quantgate.tasks.telemetry import Telemetry, device_name, measure_bandwidth_gbps
 
 
 class BenchmarkError(RuntimeError):
@@ -39,19 +50,77 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def engine_options(scenario: ScenarioSpec, device: str, overrides: Mapping[str, Any] | None = None) -> EngineOptions:
+def engine_options(
+    scenario: ScenarioSpec,
+    device: str,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    dummy_weights: bool = False,
+) -> EngineOptions:
     dtype = scenario.dtype if scenario.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     options = EngineOptions(
         device=device,  # type: ignore[arg-type]
         dtype=dtype,
         seed=scenario.seed,
         enable_prefix_caching=scenario.enable_prefix_caching,
-        max_model_len=scenario.input_len + scenario.output_len,
+        max_model_len=scenario.model_len,
+        enforce_eager=scenario.enforce_eager,
+        dummy_weights=dummy_weights,
+        speculative_config=scenario.speculative.model_dump() if scenario.speculative else None,
+        tensor_parallel_size=scenario.tensor_parallel_size,
+        max_cudagraph_capture_size=scenario.max_cudagraph_capture_size,
+        compile=scenario.transformers_compile,
     )
+    if scenario.gpu_memory_utilization is not None:
+        options = dataclasses.replace(options, gpu_memory_utilization=scenario.gpu_memory_utilization)
     known = [f.name for f in dataclasses.fields(EngineOptions)]
     if unknown := sorted(set(overrides or {}) - set(known)):
         raise BenchmarkError(f"unknown engine option(s) {unknown}; known: {known}")
     return dataclasses.replace(options, **(overrides or {}))
+
+
+def wants_random_weights(model_path: str | Path, scenario: ScenarioSpec) -> bool:
+    """A dummy-weights scenario on a folder without weight files: the engine initialises weights randomly.
+    A dummy checkpoint that has weight files (W4A16: vLLM's dummy loader would leave its packed
+    int32 weights uninitialised) loads them like any checkpoint."""
+    return scenario.weights == "dummy" and not any(Path(model_path).glob("*.safetensors"))
+
+
+# What vLLM 0.26 and torch say when the GPU memory does not fit the engine, its KV cache or
+# max_model_len (never in a healthy start's log).
+_OOM = re.compile(
+    r"CUDA out of memory|OutOfMemoryError|No available memory for the cache blocks"
+    r"|is less than desired GPU memory utilization|which is larger than the available KV cache memory",
+)
+# vLLM prefixes the lines of its engine-core process with "(EngineCore_DP0 pid=123) ".
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\)\s+)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+)$", re.MULTILINE
+)
+
+
+def looks_like_oom(text: str | None) -> bool:
+    return bool(text and _OOM.search(text))
+
+
+def root_cause(log_text: str) -> str | None:
+    """The first exception line of a log: vLLM's engine core reports why it failed only there, and the
+    front end then raises a generic "Engine core initialization failed"."""
+    found = _EXCEPTION_LINE.search(log_text)
+    return found.group(1).strip()[:300] if found else None
+
+
+def fallback_options(options: EngineOptions, engine_name: str, needed_len: int) -> list[EngineOptions]:
+    """The options to try in order when an engine start runs out of GPU memory: as asked, then (vLLM)
+    a smaller gpu_memory_utilization, then also the smallest max_model_len the scenarios need."""
+    tries = [options]
+    if engine_name != "vllm":
+        return tries
+    lower = round(max(0.3, options.gpu_memory_utilization - 0.2), 2)
+    if lower < options.gpu_memory_utilization:
+        tries.append(dataclasses.replace(options, gpu_memory_utilization=lower))
+    if options.max_model_len and options.max_model_len > needed_len:
+        tries.append(dataclasses.replace(tries[-1], max_model_len=needed_len))
+    return tries
 
 
 def make_prompts(scenario: ScenarioSpec, tokenizer_path: str) -> list[list[int]]:
@@ -60,16 +129,39 @@ def make_prompts(scenario: ScenarioSpec, tokenizer_path: str) -> list[list[int]]
     Without a prompts_file: uniform random ids from the vocabulary minus special and added tokens, seeded
     by scenario.seed. With one: prompt i is the first input_len tokens of the text starting at its
     (i mod lines)-th non-empty line, continuing into the next lines when that line is too short.
+    With shared_prefix_len k, the first k tokens are the same in every prompt.
     """
+    return make_prompt_sets(scenario, tokenizer_path, 1)[0]
+
+
+def make_prompt_sets(scenario: ScenarioSpec, tokenizer_path: str, passes: int) -> list[list[list[int]]]:
+    """The prompts of each of `passes` passes over a scenario. They are the same every pass, except that
+    with a shared prefix and random prompts each pass gets fresh tails: prefix caching may then reuse
+    the shared prefix from one pass to the next, never a whole prompt."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    k = scenario.shared_prefix_len
     if scenario.prompts_file:
-        return _file_prompts(Path(scenario.prompts_file), tokenizer, scenario.num_prompts, scenario.input_len)
+        prompts = _file_prompts(Path(scenario.prompts_file), tokenizer, scenario.num_prompts, scenario.input_len)
+        if k:
+            prompts = [prompts[0][:k] + p[k:] for p in prompts]
+        return [prompts] * passes
     excluded = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     pool = [i for i in range(len(tokenizer)) if i not in excluded]
-    rng = random.Random(scenario.seed)
-    return [[rng.choice(pool) for _ in range(scenario.input_len)] for _ in range(scenario.num_prompts)]
+
+    def draw(rng: random.Random, n: int) -> list[int]:
+        return [rng.choice(pool) for _ in range(n)]
+
+    if not k:
+        rng = random.Random(scenario.seed)
+        return [[draw(rng, scenario.input_len) for _ in range(scenario.num_prompts)]] * passes
+    prefix = draw(random.Random(f"{scenario.seed}/prefix"), k)
+    sets = []
+    for n in range(passes):
+        rng = random.Random(f"{scenario.seed}/pass{n}")
+        sets.append([prefix + draw(rng, scenario.input_len - k) for _ in range(scenario.num_prompts)])
+    return sets
 
 
 def _file_prompts(path: Path, tokenizer: Any, num_prompts: int, input_len: int) -> list[list[int]]:
@@ -114,37 +206,149 @@ def run_scenario(
     `options` overrides EngineOptions fields (e.g. gpu_memory_utilization, enforce_eager).
     isolate=False runs in this process (debugging only: no timeout, and memory readings include the caller).
     """
-    device = resolve_device(scenario.device)
-    opts = engine_options(scenario, device, options)
-    config = {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(opts)}
+    return run_scenarios(
+        model_path, engine_name, [(scenario_name, scenario)], isolate=isolate, timeout_s=timeout_s, options=options
+    )[0]
 
-    def result(status: Literal["ok", "skipped", "failed"], reason: str | None, **measured: Any) -> SpeedResult:
-        return SpeedResult(engine_name, scenario_name, status, reason, config, **measured)
+
+def run_scenarios(
+    model_path: str,
+    engine_name: str,
+    scenarios: Sequence[tuple[str, ScenarioSpec]],
+    *,
+    isolate: bool = True,
+    timeout_s: float = 3600.0,
+    options: Mapping[str, Any] | None = None,
+    log_dir: str | Path | None = None,
+) -> list[SpeedResult]:
+    """Measure one engine on several (name, scenario) pairs after one engine start, in one process.
+
+    The scenarios must need the same engine options (BenchmarkError otherwise). If the engine start
+    runs out of GPU memory, vLLM is tried again with less (fallback_options); the results' config
+    records the options finally used and details["attempts"] the failed tries. A failure of one
+    scenario after the start fails that scenario alone. With `log_dir`, the engine process's output
+    (vLLM's engine core's too) goes to a file there per attempt, and a failure's reason names the
+    root cause found in it.
+    """
+    if not scenarios:
+        return []
+    if serving := [name for name, s in scenarios if s.kind == "serving"]:
+        raise BenchmarkError(f"{serving[0]!r} is a serving scenario: run it with tasks.serving.serve_scenario")
+    first_name, first = scenarios[0]
+    device = resolve_device(first.device)
+    dummy = wants_random_weights(model_path, first)
+    opts = engine_options(first, device, options, dummy_weights=dummy)
+    for name, scenario in scenarios[1:]:
+        same = engine_options(scenario, device, options, dummy_weights=dummy) == opts
+        if resolve_device(scenario.device) != device or not same:
+            raise BenchmarkError(
+                f"scenarios {first_name!r} and {name!r} need different engine options; run them in separate processes"
+            )
+
+    def results(status: Literal["ok", "skipped", "failed"], reason: str | None, used: EngineOptions,
+                details: dict[str, Any] | None = None) -> list[SpeedResult]:
+        return [
+            SpeedResult(engine_name, name, status, reason, _config(scenario, used), details=dict(details or {}))
+            for name, scenario in scenarios
+        ]
 
     if (why := engines.availability(engine_name, device)) is not None:
-        return result("skipped", why)
+        return results("skipped", why, opts)
     if not Path(model_path).is_dir():
-        return result("failed", f"no model folder at {model_path}")
-    if isolate:
-        status, payload = _in_fresh_process(model_path, engine_name, scenario, opts, timeout_s)
-    else:
+        return results("failed", f"no model folder at {model_path}", opts)
+
+    needed_len = max(s.input_len + s.output_len for _, s in scenarios)
+    attempts: list[dict[str, Any]] = []
+    items = [s for _, s in scenarios]
+    deadline = time.monotonic() + timeout_s
+    for used in fallback_options(opts, engine_name, needed_len):
+        remaining = deadline - time.monotonic() if attempts else timeout_s
+        log = Path(log_dir) / f"{engine_name}-{len(attempts)}.log" if log_dir and isolate else None
+        if isolate:
+            status, payload = _in_fresh_process(model_path, engine_name, items, used, remaining, log)
+        else:
+            try:
+                status, payload = "ok", _measure_group(model_path, engine_name, items, used)
+            except Exception as e:
+                status, payload = "failed", _one_line(e)
+        if status == "ok":
+            break
+        log_text = log.read_text(errors="replace") if log and log.exists() else ""
+        if (cause := root_cause(log_text)) and cause not in payload:
+            payload = f"{payload} (cause: {cause})"
+        if not (looks_like_oom(payload) or looks_like_oom(log_text)) or time.monotonic() >= deadline:
+            break
+        attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
+                         "max_model_len": used.max_model_len, "error": payload})
+    details = {"attempts": attempts} if attempts else {}
+    if status != "ok":
+        return results("failed", payload, used, details)
+
+    out = []
+    for (name, scenario), (one_status, measured) in zip(scenarios, payload, strict=True):
+        config = _config(scenario, used)
+        if one_status != "ok":
+            out.append(SpeedResult(engine_name, name, "failed", measured, config, details=dict(details)))
+            continue
+        measured = {**measured, "details": {**details, **measured.get("details", {})}}
+        out.append(SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured)))
+    return out
+
+
+def _config(scenario: ScenarioSpec, used: EngineOptions) -> dict[str, Any]:
+    return {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
+
+
+def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: dict[str, Any]) -> dict[str, Any]:
+    """What the parent adds to a child's measurement: KV-cache bytes and the roofline, which need only
+    the checkpoint's config and headers."""
+    out = dict(measured)
+    config = _read_config(model_path)
+    if out.get("kv_cache_tokens") and config:
+        dtype_bytes = 4 if used.dtype == "float32" else 2
+        out["kv_cache_bytes"] = out["kv_cache_tokens"] * kv_bytes_per_token(config, dtype_bytes)
+    if out.get("decode_tokens_per_s") and out.get("bandwidth_gbps"):
+        # Transformers decompresses a quantized checkpoint on load and then reads 16-bit weights.
+        dequantized = engine_name == "transformers" and bool(config and config.get("quantization_config"))
         try:
-            status, payload = "ok", _measure(model_path, engine_name, scenario, opts)
-        except Exception as e:
-            status, payload = "failed", _one_line(e)
-    if status == "ok":
-        return result("ok", None, **payload)
-    return result("failed", payload)
+            tensors = dequantized_tensors(model_path) if dequantized else checkpoint_tensors(model_path)
+            weight_bytes = decode_weight_bytes(tensors)
+        except (RooflineError, OSError, ValueError) as e:
+            out["details"] = {**out.get("details", {}), "roofline": str(e)}
+        else:
+            out["weight_bytes_per_token"] = weight_bytes
+            if dequantized:
+                out["details"] = {**out.get("details", {}), "weights_read": "decompressed to 16 bits on load"}
+            # Each of tensor_parallel_size GPUs streams its shard over its own memory.
+            out["roofline_fraction"] = roofline_fraction(
+                out["decode_tokens_per_s"], weight_bytes, out["bandwidth_gbps"] * used.tensor_parallel_size
+            )
+    return out
+
+
+def _read_config(model_path: str) -> dict[str, Any] | None:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("text_config", config)
 
 
 def _in_fresh_process(
-    model_path: str, engine_name: str, scenario: ScenarioSpec, opts: EngineOptions, timeout_s: float
+    model_path: str,
+    engine_name: str,
+    scenarios: list[ScenarioSpec],
+    opts: EngineOptions,
+    timeout_s: float,
+    log: Path | None = None,
 ) -> tuple[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     # Not a daemon: vLLM starts its own engine-core process, which daemons may not do.
     proc = ctx.Process(
-        target=_child, args=(sender, model_path, engine_name, scenario, opts), name=f"quantgate-bench-{engine_name}"
+        target=_child,
+        args=(sender, model_path, engine_name, scenarios, opts, str(log) if log else None),
+        name=f"quantgate-bench-{engine_name}",
     )
     proc.start()
     sender.close()  # so the receiver sees EOF if the child dies without answering
@@ -163,11 +367,20 @@ def _in_fresh_process(
         receiver.close()
 
 
-def _child(sender: Any, model_path: str, engine_name: str, scenario: ScenarioSpec, opts: EngineOptions) -> None:
+def _child(
+    sender: Any, model_path: str, engine_name: str, scenarios: list[ScenarioSpec], opts: EngineOptions, log: str | None
+) -> None:
     # Its own process group, so the parent can also end what the engine started (vLLM's engine core).
     os.setpgrp()
+    if log:
+        # At the descriptor level, so that processes the engine starts write there too.
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
-        sender.send(("ok", _measure(model_path, engine_name, scenario, opts)))
+        sender.send(("ok", _measure_group(model_path, engine_name, scenarios, opts)))
     except BaseException as e:  # report whatever stops the run, then let the process end
         sender.send(("failed", _one_line(e)))
     finally:
@@ -198,39 +411,92 @@ def _one_line(e: BaseException) -> str:
     return message if len(message) <= 300 else message[:297] + "..."
 
 
-def _measure(model_path: str, engine_name: str, scenario: ScenarioSpec, opts: EngineOptions) -> dict[str, Any]:
-    prompts = make_prompts(scenario, model_path)
+def _measure_group(
+    model_path: str, engine_name: str, scenarios: list[ScenarioSpec], opts: EngineOptions
+) -> list[tuple[str, Any]]:
+    """Load the engine once and measure each scenario: ("ok", measurements) or ("failed", reason) each.
+    An exception here (the load) fails them all."""
+    prompt_sets = [make_prompt_sets(s, model_path, s.warmup + s.repetitions) for s in scenarios]
     engine = engines.create(engine_name)
+    out: list[tuple[str, Any]] = []
     with Telemetry(opts.device) as telemetry:
         engine.load(model_path, opts)
         try:
-            for _ in range(scenario.warmup):
-                _workload(engine, prompts, scenario)
-            reps = [_repetition(engine, prompts, scenario, telemetry) for _ in range(scenario.repetitions)]
+            for scenario, sets in zip(scenarios, prompt_sets, strict=True):
+                try:
+                    out.append(("ok", _measure_one(engine, scenario, sets, telemetry, opts)))
+                except Exception as e:
+                    out.append(("failed", _one_line(e)))
         finally:
             engine.close()
+    # Measured last, on a GPU the engine has let go of: the ceiling the latency runs are held against.
+    if opts.device == "cuda" and any(s.kind == "latency" for s in scenarios):
+        bandwidth, problem = None, None
+        try:
+            bandwidth = measure_bandwidth_gbps()
+        except Exception as e:  # the latency results stand without their roofline
+            problem = _one_line(e)
+        for scenario, (status, measured) in zip(scenarios, out, strict=True):
+            if status == "ok" and scenario.kind == "latency":
+                measured["bandwidth_gbps"] = bandwidth
+                if problem:
+                    measured["details"]["bandwidth"] = problem
+    return out
+
+
+def _measure_one(
+    engine: Engine, scenario: ScenarioSpec, prompt_sets: list[list[list[int]]], telemetry: Telemetry, opts: EngineOptions
+) -> dict[str, Any]:
+    telemetry.reset_peaks()
+    before = engine.stats()
+    for prompts in prompt_sets[: scenario.warmup]:
+        _workload(engine, prompts, scenario)
+    mid = engine.stats()
+    reps = [_repetition(engine, prompts, scenario, telemetry) for prompts in prompt_sets[scenario.warmup :]]
+    after = engine.stats()
+    prompts = prompt_sets[0]
     per_token_j = [r["energy_j"] / r["output_tokens"] if r["energy_j"] is not None else None for r in reps]
+    tpot_ms = _median([r["tpot_ms"] for r in reps])
+    details: dict[str, Any] = {}
+    if "spec_decode_draft_tokens" in after:
+        # Over the measured repetitions only.
+        drafted = after["spec_decode_draft_tokens"] - mid["spec_decode_draft_tokens"]
+        accepted = after["spec_decode_accepted_tokens"] - mid["spec_decode_accepted_tokens"]
+        details["spec_decode"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                                  "acceptance_rate": accepted / drafted if drafted else None}
     return {
         "device": device_name(opts.device),
         "num_requests": len(prompts),
         "input_tokens": sum(len(p) for p in prompts),
         "output_tokens": _median([r["output_tokens"] for r in reps]),
         "tokens_per_s": _median([r["tokens_per_s"] for r in reps]),
+        "total_tokens_per_s": _median([r["total_tokens_per_s"] for r in reps]),
         "requests_per_s": _median([r["requests_per_s"] for r in reps]),
         "ttft_ms": _median([r["ttft_ms"] for r in reps]),
-        "tpot_ms": _median([r["tpot_ms"] for r in reps]),
+        "tpot_ms": tpot_ms,
         "e2el_ms": _median([r["e2el_ms"] for r in reps]),
+        # Batch 1 only: one sequence's decode speed is what the roofline bounds.
+        "decode_tokens_per_s": 1000 / tpot_ms if scenario.kind == "latency" and tpot_ms else None,
         "peak_memory_bytes": telemetry.peak_memory_bytes,
+        "nvml_peak_bytes": telemetry.nvml_peak_bytes,
+        # 0 when this process's torch never allocated: vLLM's allocator lives in its engine-core process.
+        "torch_peak_bytes": telemetry.torch_peak_bytes or None,
+        "kv_cache_tokens": before.get("kv_cache_tokens"),
         "energy_j_per_token": _median(per_token_j),
         "repetitions": reps,
-        "versions": _versions(engine_name, opts.device),
+        "versions": _versions(engine.name, opts.device),
+        "details": details,
     }
 
 
 def _workload(engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec) -> tuple[float, list[RequestTiming]]:
-    """All prompts once: in batches of batch_size ("offline") or one at a time ("latency").
+    """All prompts once: one at a time ("latency"), or ("offline") all in one call to an engine that
+    schedules them itself (as `vllm bench throughput` does), else in static batches of batch_size.
     Each request is timed from the start of its own generate call."""
-    size = 1 if scenario.kind == "latency" else scenario.batch_size
+    if scenario.kind == "latency":
+        size = 1
+    else:
+        size = len(prompts) if engine.continuous_batching else scenario.batch_size
     timings: list[RequestTiming] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), size):
@@ -249,12 +515,14 @@ def _repetition(
     wall, timings = _workload(engine, prompts, scenario)
     after = telemetry.energy_mj()
     out = sum(t.output_tokens for t in timings)
+    prompt_tokens = sum(len(p) for p in prompts)
     # A counter that did not move over a very short run says nothing, so it is not reported as 0 J.
     energy_j = (after - before) / 1000 if before is not None and after is not None and after > before else None
     return {
         "wall_s": wall,
         "output_tokens": out,
         "tokens_per_s": out / wall,
+        "total_tokens_per_s": (prompt_tokens + out) / wall,
         "requests_per_s": len(timings) / wall,
         "ttft_ms": _ms(_median([t.ttft_s for t in timings])),
         "tpot_ms": _ms(_median([t.tpot_s for t in timings])),

@@ -170,6 +170,16 @@ def write_dummy_checkpoint(
     )
 
 
+SHAPES: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT}
+
+
+def layout(
+    config: dict, quant: Literal["w4a16"] | None = None, group_size: int = 128
+) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Every tensor a checkpoint of this config holds: name -> (shape, bytes), without writing anything."""
+    return {t.name: (t.shape, t.nbytes) for t in _plan(config, quant, group_size)}
+
+
 def _plan(config: dict, quant: str | None, group_size: int) -> list[_Tensor]:
     """Every tensor the checkpoint holds, named from the transformers model built on the meta device."""
     from compressed_tensors.utils import match_named_modules

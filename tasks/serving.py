@@ -1,5 +1,6 @@
 """Online serving benchmark: a `vllm serve` process, a streaming load client, and vLLM's own
-`vllm bench throughput` run beside it as a cross-check.
+`vllm bench throughput` run beside it as a cross-check; serve_scenario and bench_scenario run a
+catalog scenario through them.
 
 Metric definitions follow vLLM's serving benchmark (vllm/benchmarks/lib/endpoint_request_func.py and
 vllm/benchmarks/serve.py, vLLM 0.26): TTFT is the time to the first streamed chunk that carries a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -33,6 +35,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from quantgate.catalog.schema import ScenarioSpec
+from quantgate.tasks import engines
+from quantgate.tasks.benchmark import (
+    engine_options,
+    fallback_options,
+    looks_like_oom,
+    make_prompts,
+    root_cause,
+    wants_random_weights,
+)
+from quantgate.tasks.engines import EngineOptions
+from quantgate.tasks.records import SpeedResult
+from quantgate.tasks.roofline import kv_bytes_per_token
+from quantgate.tasks.telemetry import Telemetry, nvml_device_name
 
 # `python -m vllm.entrypoints.cli.main` is what the `vllm` console script runs, without relying on PATH.
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
@@ -138,6 +155,7 @@ def start_server(
             env=_environment(env),
             start_new_session=True,
         )
+    _note_session(proc.pid)
     handle = ServerHandle(
         pid=proc.pid,
         base_url=f"http://{host}:{port}",
@@ -157,6 +175,17 @@ def start_server(
             handle.stop()
             raise ServingError(f"server not ready after {ready_timeout_s:.0f}s (log {log}): {_tail(log)}")
         time.sleep(0.5)
+
+
+# A file to which every session this module starts appends its id (= the leader's pid), so that a
+# wrapper that must stop a run abruptly can still end those sessions by id (benchmarks/gpu/run_suite.sh).
+PIDFILE_ENV = "QUANTGATE_PIDFILE"
+
+
+def _note_session(pid: int) -> None:
+    if path := os.environ.get(PIDFILE_ENV):
+        with open(path, "a") as f:
+            f.write(f"{pid}\n")
 
 
 def _environment(extra: dict[str, str] | None) -> dict[str, str]:
@@ -572,6 +601,7 @@ def vllm_bench_throughput(
             env=_environment(env),
             start_new_session=True,
         )
+        _note_session(proc.pid)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -594,3 +624,284 @@ def vllm_bench_throughput(
         "total_num_tokens": data["total_num_tokens"],
         "command": cmd,
     }
+
+
+# --- scenarios on vLLM processes: a served scenario's loads, and the bench cross-check -------------
+
+
+@dataclass
+class ServingLoad:
+    """One load of a serving scenario (a concurrency level or a request rate) and its requests."""
+
+    label: str
+    max_concurrency: int | None
+    request_rate: float | None
+    records: list[RequestRecord]
+    duration_s: float
+    energy_j: float | None = None
+
+
+_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def kv_cache_tokens_from_log(path: str | Path) -> int | None:
+    """The KV-cache budget vLLM logs once its engine core has sized the cache."""
+    try:
+        match = _KV_TOKENS.search(Path(path).read_text(errors="replace"))
+    except OSError:
+        return None
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+def vllm_cli_args(opts: EngineOptions) -> list[str]:
+    """Engine flags of `vllm serve` and `vllm bench throughput` for the options the offline engine
+    takes, so that all three run the same engine configuration. (The seed is left to the caller.)"""
+    args = [
+        "--dtype", opts.dtype,
+        "--gpu-memory-utilization", str(opts.gpu_memory_utilization),
+        "--tensor-parallel-size", str(opts.tensor_parallel_size),
+        # Explicit either way: the CLI's default turns prefix caching on.
+        "--enable-prefix-caching" if opts.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if opts.max_model_len:
+        args += ["--max-model-len", str(opts.max_model_len)]
+    if opts.enforce_eager:
+        args.append("--enforce-eager")
+    if opts.dummy_weights:
+        args += ["--load-format", "dummy"]
+    if opts.speculative_config:
+        args += ["--speculative-config", json.dumps(opts.speculative_config, sort_keys=True)]
+    if opts.max_cudagraph_capture_size:
+        args += ["--max-cudagraph-capture-size", str(opts.max_cudagraph_capture_size)]
+    if opts.trust_remote_code:
+        args.append("--trust-remote-code")
+    return args
+
+
+def serve_scenario(
+    model_path: str,
+    scenario_name: str,
+    scenario: ScenarioSpec,
+    *,
+    work_dir: str | Path,
+    timeout_s: float = 900.0,
+    options: dict[str, Any] | None = None,
+) -> tuple[SpeedResult, list[ServingLoad]]:
+    """Start one `vllm serve` for the scenario, drive it through every load in order, stop it (its
+    process group, by PID). Never raises for server trouble: the result says skipped or failed.
+
+    The SpeedResult sums the loads: tokens_per_s is the best load's output tokens/s, energy per token
+    is over all loads; repetitions holds each load's summary. Per-request rows are in the loads.
+    """
+    device = "cuda"
+    opts = engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario))
+
+    def result(status: str, reason: str | None, used: EngineOptions, **measured: Any) -> SpeedResult:
+        config = {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
+        return SpeedResult("vllm", scenario_name, status, reason, config, **measured)  # type: ignore[arg-type]
+
+    if (why := engines.availability("vllm", device)) is not None:
+        return result("skipped", why, opts), []
+    if not Path(model_path).is_dir():
+        return result("failed", f"no model folder at {model_path}", opts), []
+    sizes = scenario.load_sizes()
+    prompts = make_prompts(scenario.model_copy(update={"num_prompts": max(n for *_, n in sizes)}), model_path)
+    slo = Slo(**scenario.slo.model_dump()) if scenario.slo else None
+    work = Path(work_dir)
+    deadline = time.monotonic() + timeout_s
+    attempts: list[dict[str, Any]] = []
+    for used in fallback_options(opts, "vllm", scenario.input_len + scenario.output_len):
+        log = work / f"serve-{scenario_name}-{len(attempts)}.log"
+        try:
+            with Telemetry(device) as telemetry:
+                server = start_server(
+                    model_path,
+                    port=free_port(),
+                    extra_args=[*vllm_cli_args(used), "--seed", str(used.seed)],
+                    log_path=log,
+                    ready_timeout_s=max(1.0, deadline - time.monotonic()),
+                )
+                with server:
+                    loads = drive_loads(server, scenario, sizes, prompts, telemetry, deadline)
+                peak = telemetry.peak_memory_bytes
+                nvml_peak = telemetry.nvml_peak_bytes
+            break
+        except ServingError as e:
+            reason = _with_cause(str(e), log)
+            if not (looks_like_oom(reason) or looks_like_oom(_read(log))) or time.monotonic() >= deadline:
+                return result("failed", reason, used, details={"attempts": attempts, "log": str(log)}), []
+            attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
+                             "max_model_len": used.max_model_len, "error": reason})
+    else:
+        return result("failed", attempts[-1]["error"], used, details={"attempts": attempts}), []
+
+    summaries = [{"load": load.label, **summarize(load.records, load.duration_s, slo)} for load in loads]
+    ok = [r for load in loads for r in load.records if r.success]
+    if not loads:
+        return result("failed", "the time was up before the first load", used), loads
+    if not ok:
+        first_error = next((r.error for load in loads for r in load.records if r.error), None)
+        return result("failed", f"no request succeeded: {first_error}", used, repetitions=summaries), loads
+    best = max(summaries, key=lambda s: s["output_tokens_per_s"])
+    energies = [load.energy_j for load in loads]
+    out_tokens = sum(r.output_tokens for r in ok)
+    kv_tokens = kv_cache_tokens_from_log(log)
+    config = _read_model_config(model_path)
+    details: dict[str, Any] = {"best_load": best["load"], "log": str(log)}
+    if attempts:
+        details["attempts"] = attempts
+    if len(loads) < len(sizes):
+        details["loads_not_run"] = [label for label, *_ in sizes[len(loads) :]]
+    return result(
+        "ok",
+        None,
+        used,
+        device=nvml_device_name(),
+        num_requests=sum(len(load.records) for load in loads),
+        input_tokens=sum(r.prompt_len for r in ok),
+        output_tokens=out_tokens,
+        tokens_per_s=best["output_tokens_per_s"],
+        total_tokens_per_s=best["total_tokens_per_s"],
+        requests_per_s=best["requests_per_s"],
+        peak_memory_bytes=peak,
+        nvml_peak_bytes=nvml_peak,
+        energy_j_per_token=sum(energies) / out_tokens if None not in energies and out_tokens else None,
+        kv_cache_tokens=kv_tokens,
+        kv_cache_bytes=kv_tokens * kv_bytes_per_token(config, 4 if used.dtype == "float32" else 2)
+        if kv_tokens and config else None,
+        repetitions=summaries,
+        versions=_vllm_versions(),
+        details=details,
+    ), loads
+
+
+def drive_loads(
+    server: ServerHandle,
+    scenario: ScenarioSpec,
+    sizes: list[tuple[str, int | None, float | None, int]],
+    prompts: list[list[int]],
+    telemetry: Telemetry,
+    deadline: float,
+) -> list[ServingLoad]:
+    """Run the loads in order until the time is up; those not started are left out."""
+    loads = []
+    for label, concurrency, rate, n in sizes:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        before = telemetry.energy_mj()
+        run = run_load(
+            server.base_url,
+            prompts[:n],
+            scenario.output_len,
+            max_concurrency=concurrency,
+            request_rate=rate or math.inf,
+            seed=scenario.seed,
+            model=server.model,
+            warmup=scenario.warmup,
+            timeout_s=remaining,
+        )
+        after = telemetry.energy_mj()
+        energy = (after - before) / 1000 if before is not None and after is not None and after > before else None
+        loads.append(ServingLoad(label, concurrency, rate, run.records, run.duration_s, energy))
+    return loads
+
+
+def bench_scenario(
+    model_path: str,
+    scenario_name: str,
+    scenario: ScenarioSpec,
+    *,
+    work_dir: str | Path,
+    timeout_s: float = 900.0,
+    options: dict[str, Any] | None = None,
+) -> SpeedResult:
+    """`vllm bench throughput` on an offline scenario's config (same model, lengths, prompt count,
+    engine flags, warm-up of one full pass), as a SpeedResult of engine "vllm-bench": tokens_per_s is
+    its output tokens/s and total_tokens_per_s its (prompt + output) tokens/s, like ours."""
+    device = "cuda"
+    opts = engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario))
+
+    def result(status: str, reason: str | None, used: EngineOptions, **measured: Any) -> SpeedResult:
+        config = {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
+        return SpeedResult("vllm-bench", scenario_name, status, reason, config, **measured)  # type: ignore[arg-type]
+
+    if (why := engines.availability("vllm", device)) is not None:
+        return result("skipped", why, opts)
+    if not Path(model_path).is_dir():
+        return result("failed", f"no model folder at {model_path}", opts)
+    deadline = time.monotonic() + timeout_s
+    attempts: list[dict[str, Any]] = []
+    for used in fallback_options(opts, "vllm", scenario.input_len + scenario.output_len):
+        extra = [*vllm_cli_args(used), "--disable-detokenize"]
+        if scenario.warmup:
+            extra += ["--num-warmups", str(scenario.num_prompts)]
+        bench_dir = Path(work_dir) / f"bench-{scenario_name}-{len(attempts)}"
+        try:
+            res = vllm_bench_throughput(
+                model_path,
+                input_len=scenario.input_len,
+                output_len=scenario.output_len,
+                num_prompts=scenario.num_prompts,
+                work_dir=bench_dir,
+                seed=used.seed,
+                extra_args=extra,
+                timeout_s=max(1.0, deadline - time.monotonic()),
+            )
+            break
+        except ServingError as e:
+            log = bench_dir / "vllm_bench_throughput.log"
+            reason = _with_cause(str(e), log)
+            if not (looks_like_oom(reason) or looks_like_oom(_read(log))) or time.monotonic() >= deadline:
+                return result("failed", reason, used, details={"attempts": attempts})
+            attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
+                             "max_model_len": used.max_model_len, "error": reason})
+    else:
+        return result("failed", attempts[-1]["error"], used, details={"attempts": attempts})
+    return result(
+        "ok",
+        None,
+        used,
+        device=nvml_device_name(),
+        num_requests=res["num_requests"],
+        input_tokens=scenario.num_prompts * scenario.input_len,
+        output_tokens=scenario.num_prompts * scenario.output_len,
+        tokens_per_s=res["output_tokens_per_s"],
+        total_tokens_per_s=res["total_tokens_per_s"],
+        requests_per_s=res["requests_per_s"],
+        versions=_vllm_versions(),
+        details={"command": res["command"], "elapsed_s": res["elapsed_s"],
+                 "total_num_tokens": res["total_num_tokens"], **({"attempts": attempts} if attempts else {})},
+    )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _with_cause(reason: str, log: Path) -> str:
+    cause = root_cause(_read(log))
+    return f"{reason} (cause: {cause})" if cause and cause not in reason else reason
+
+
+def _read_model_config(model_path: str) -> dict[str, Any] | None:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("text_config", config)
+
+
+def _vllm_versions() -> dict[str, str]:
+    import importlib.metadata
+
+    out = {}
+    for name in ("vllm", "torch", "transformers", "compressed-tensors"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out

@@ -65,6 +65,33 @@ class Telemetry:
         # ru_maxrss is in KiB on Linux.
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    @property
+    def nvml_peak_bytes(self) -> int | None:
+        """Device memory in use at its highest since the region began (or the last reset_peaks), minus
+        what was in use when the region began; None without NVML."""
+        if self._handle is None:
+            return None
+        return max(self._peak, self._used()) - self._baseline
+
+    @property
+    def torch_peak_bytes(self) -> int | None:
+        """This process's torch allocator at its highest (allocated tensors, not the allocator's cache)."""
+        if self.device != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
+
+    def reset_peaks(self) -> None:
+        """Start the peaks afresh from what is in use now, e.g. between scenarios of one process."""
+        if self._handle is not None:
+            self._peak = self._used()
+        if self.device == "cuda":
+            import torch
+
+            if torch.cuda.is_initialized():
+                torch.cuda.reset_peak_memory_stats()
+
     def _open_nvml(self) -> None:
         try:
             import pynvml
@@ -98,6 +125,49 @@ def _torch_reserved_peak() -> int:
     import torch
 
     return torch.cuda.max_memory_reserved() if torch.cuda.is_initialized() else 0
+
+
+def measure_bandwidth_gbps(nbytes: int = 2 << 30, copies: int = 10, trials: int = 5) -> float:
+    """Device memory bandwidth in GB/s (1e9 bytes): a device-to-device copy of `nbytes`, counting the
+    bytes read and written, timed with CUDA events over `copies` copies; the median of `trials`."""
+    import statistics
+
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    try:
+        dst.copy_(src)  # first touch and warm-up
+        rates = []
+        for _ in range(trials):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(copies):
+                dst.copy_(src)
+            end.record()
+            end.synchronize()
+            rates.append(2 * nbytes * copies / (start.elapsed_time(end) / 1000) / 1e9)
+        return statistics.median(rates)
+    finally:
+        del src, dst
+        torch.cuda.empty_cache()
+
+
+def nvml_device_name() -> str | None:
+    """The visible GPU's name through NVML, for processes that must not create a CUDA context."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        name = pynvml.nvmlDeviceGetName(_visible_device(pynvml))
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def device_name(device: str) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 
 class EngineError(RuntimeError):
@@ -21,6 +21,15 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.8
     enforce_eager: bool = False
     trust_remote_code: bool = False
+    # Random weights instead of loading a checkpoint (a folder that has none): vLLM's load_format
+    # "dummy", Transformers' from_config on the device.
+    dummy_weights: bool = False
+    # vLLM only: SpeculativeConfig fields, tensor parallelism, the largest batch captured as a CUDA graph.
+    speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    max_cudagraph_capture_size: int | None = None
+    # Transformers only: a static KV cache, which makes generate() torch.compile its decoding step.
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,9 +64,15 @@ class Generation:
 
 class Engine(Protocol):
     name: str
+    # True: the engine schedules requests itself, so an offline run hands it every prompt at once.
+    continuous_batching: bool
 
     def load(self, model_path: str, options: EngineOptions) -> None: ...
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True) -> Generation: ...
+
+    def stats(self) -> dict[str, Any]:
+        """What the loaded engine reports about itself: KV-cache budget, cumulative counters."""
+        ...
 
     def close(self) -> None: ...

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from quantgate.tasks.engines.base import EngineError, EngineOptions, Generation, RequestTiming
@@ -32,11 +32,13 @@ class _FirstTokenClock(BaseStreamer):
 
 class TransformersEngine:
     name = "transformers"
+    continuous_batching = False
 
     def __init__(self) -> None:
         self._model: Any = None
         self._tokenizer: Any = None
         self._device = torch.device("cpu")
+        self._compile = False
 
     def load(self, model_path: str, options: EngineOptions) -> None:
         if options.device == "cuda" and not torch.cuda.is_available():
@@ -47,14 +49,26 @@ class TransformersEngine:
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path,
-            dtype=getattr(torch, options.dtype),
-            attn_implementation="sdpa",
-            trust_remote_code=options.trust_remote_code,
-        )
+        dtype = getattr(torch, options.dtype)
+        if options.dummy_weights:
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=options.trust_remote_code)
+            # Built on the device: random init there takes seconds where a 7B model on the CPU takes minutes.
+            with self._device:
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=options.trust_remote_code
+                )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path,
+                dtype=dtype,
+                attn_implementation="sdpa",
+                trust_remote_code=options.trust_remote_code,
+                # Straight onto the GPU: a compressed checkpoint then also decompresses there.
+                device_map=options.device if options.device == "cuda" else None,
+            )
         self._model = model.to(self._device).eval()
         self._tokenizer = tokenizer
+        self._compile = options.compile
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True) -> Generation:
         if self._model is None:
@@ -72,6 +86,9 @@ class TransformersEngine:
                 do_sample=False,
                 pad_token_id=self._tokenizer.pad_token_id,
                 streamer=clock,
+                # A static cache lets generate() compile the decoding step (CUDA graphs, on a GPU);
+                # the first call of a new shape pays the compilation.
+                **({"cache_implementation": "static"} if self._compile else {}),
             )
         self._sync()
         wall = time.perf_counter() - start
@@ -85,6 +102,9 @@ class TransformersEngine:
             ttft_s=ttft,
             requests=[RequestTiming(output_tokens=len(t), ttft_s=ttft, e2el_s=wall) for t in token_ids],
         )
+
+    def stats(self) -> dict[str, Any]:
+        return {"compiled": self._compile}
 
     def close(self) -> None:
         self._model = None

@@ -9,11 +9,21 @@ from typing import Any
 from quantgate.tasks.engines.base import EngineError, EngineOptions, Generation, RequestTiming
 
 
+# Cumulative speculative-decoding counters of vLLM's metrics (Prometheus names without _total).
+_SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "spec_decode_drafts",
+    "vllm:spec_decode_num_draft_tokens": "spec_decode_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "spec_decode_accepted_tokens",
+}
+
+
 class VllmEngine:
     name = "vllm"
+    continuous_batching = True
 
     def __init__(self) -> None:
         self._llm: Any = None
+        self._speculative = False
 
     def load(self, model_path: str, options: EngineOptions) -> None:
         if options.device != "cuda":
@@ -22,6 +32,13 @@ class VllmEngine:
             from vllm import LLM
         except ImportError as e:
             raise EngineError(f"vllm is not importable: {e}") from None
+        extra: dict[str, Any] = {}
+        if options.dummy_weights:
+            extra["load_format"] = "dummy"
+        if options.speculative_config:
+            extra["speculative_config"] = dict(options.speculative_config)
+        if options.max_cudagraph_capture_size:
+            extra["max_cudagraph_capture_size"] = options.max_cudagraph_capture_size
         self._llm = LLM(
             model=model_path,
             dtype=options.dtype,
@@ -31,9 +48,12 @@ class VllmEngine:
             max_model_len=options.max_model_len,
             enforce_eager=options.enforce_eager,
             trust_remote_code=options.trust_remote_code,
+            tensor_parallel_size=options.tensor_parallel_size,
             # LLM turns stats off by default; without them RequestOutput.metrics is None (no TTFT).
             disable_log_stats=False,
+            **extra,
         )
+        self._speculative = bool(options.speculative_config)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True) -> Generation:
         if self._llm is None:
@@ -57,6 +77,22 @@ class VllmEngine:
         requests = [_timing(o.metrics, len(t), start_wall, wall) for o, t in zip(outputs, token_ids)]
         ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
         return Generation(token_ids=token_ids, wall_s=wall, ttft_s=min(ttfts) if ttfts else None, requests=requests)
+
+    def stats(self) -> dict[str, Any]:
+        """The KV-cache budget the engine core settled on (synced back to this process's config after
+        start-up) and, with speculative decoding, its cumulative draft/acceptance counters."""
+        if self._llm is None:
+            return {}
+        config = self._llm.llm_engine.vllm_config
+        blocks, block_size = config.cache_config.num_gpu_blocks, config.cache_config.block_size
+        out: dict[str, Any] = {"kv_cache_tokens": blocks * block_size if blocks and block_size else None}
+        if self._speculative:
+            counts = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
+            for metric in self._llm.get_metrics():
+                if metric.name in _SPEC_COUNTERS:
+                    counts[_SPEC_COUNTERS[metric.name]] += int(getattr(metric, "value", 0))
+            out.update(counts)
+        return out
 
     def close(self) -> None:
         # Dropping the last reference lets vLLM's finalizers stop its engine-core process.

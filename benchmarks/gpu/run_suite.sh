@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU suite as one command, on the device, after the devkit is installed (vLLM, Prefect, DuckDB
+# in /root/devkit-site). From the repository root:
+#
+#     bash benchmarks/gpu/run_suite.sh
+#
+# Writes to $OUT (default ./gpu-out): summary.md, log.txt and h200_results.tar.gz (the warehouse,
+# every table and view as Parquet, the vLLM server/bench logs, summary.md, log.txt).
+# Knobs (environment): QG_DEADLINE_S (330: no step starts later), QG_GRACE_S (75: how far a started
+# step may run past it), QG_PARTS (comma-separated parts of catalog/gpu.yaml; default all),
+# QG_SHAPE (qwen2.5-7b-instruct), QG_SUITE (catalog/gpu.yaml), QG_WORKDIR (/tmp/quantgate-gpu).
+set -uo pipefail
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$REPO"
+OUT="${OUT:-$REPO/gpu-out}"
+WORK="${QG_WORKDIR:-/tmp/quantgate-gpu}"
+DEADLINE_S="${QG_DEADLINE_S:-330}"
+GRACE_S="${QG_GRACE_S:-75}"
+RESULTS="$WORK/results"
+mkdir -p "$OUT" "$RESULTS"
+LOG="$OUT/log.txt"
+: > "$LOG"
+
+DEVKIT="${DEVKIT_SITE:-/root/devkit-site}"
+if [ -d "$DEVKIT" ]; then
+    export PYTHONPATH="$DEVKIT${PYTHONPATH:+:$PYTHONPATH}" PATH="$DEVKIT/bin:$PATH"
+fi
+# The package maps the repo's folders to quantgate.* (setuptools package-dir); a folder of links gives
+# the same imports without installing anything.
+SHIM="$WORK/shim"
+mkdir -p "$SHIM/quantgate"
+for d in flows tasks catalog warehouse; do ln -sfn "$REPO/$d" "$SHIM/quantgate/$d"; done
+export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_HOME="$WORK/prefect" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+unset PREFECT_API_URL  # Prefect's ephemeral local API: no server to run
+# vllm serve / vllm bench start their own sessions; their ids land here so that an abrupt end can
+# still stop them by id.
+export QUANTGATE_PIDFILE="$WORK/sessions.pid"
+: > "$QUANTGATE_PIDFILE"
+stop_sessions() {
+    while read -r pid; do
+        [ -n "$pid" ] && kill -KILL -- "-$pid" 2>/dev/null
+    done < "$QUANTGATE_PIDFILE"
+}
+trap stop_sessions EXIT
+
+{
+    echo "== $(date -u +%FT%TZ) quantgate GPU suite: deadline ${DEADLINE_S}s + grace ${GRACE_S}s"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    python3 -c "import sys, torch, vllm, transformers, prefect, duckdb; print(sys.version.split()[0], 'torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'prefect', prefect.__version__, 'duckdb', duckdb.__version__)" 2>&1
+} | tee -a "$LOG"
+
+WH="$RESULTS/gpu.duckdb"
+# SIGINT first (the flow stops its servers in `finally`), SIGKILL 20 s later as a last resort.
+timeout -s INT -k 20 "$((DEADLINE_S + GRACE_S + 45))" \
+    python3 -m quantgate.flows.gpu_suite --warehouse "$WH" --workdir "$WORK" \
+    --shape "${QG_SHAPE:-qwen2.5-7b-instruct}" ${QG_SUITE:+--suite "$QG_SUITE"} ${QG_PARTS:+--parts "$QG_PARTS"} \
+    --deadline-s "$DEADLINE_S" --grace-s "$GRACE_S" 2>&1 | tee -a "$LOG"
+RC=${PIPESTATUS[0]}
+echo "== flow exit code $RC at $(date -u +%FT%TZ)" | tee -a "$LOG"
+stop_sessions
+
+python3 benchmarks/gpu/summary.py "$WH" --parquet "$RESULTS/parquet" > "$OUT/summary.md" 2>>"$LOG" \
+    || echo "summary failed (see log.txt)" | tee -a "$LOG"
+mkdir -p "$RESULTS/logs"
+find "$WORK/gpu" -path '*/logs/*' -type f \( -name '*.log' -o -name '*.json' \) -exec cp --parents {} "$RESULTS/logs" \; 2>/dev/null
+cp "$OUT/summary.md" "$LOG" "$RESULTS/" 2>/dev/null
+tar czf "$OUT/h200_results.tar.gz" -C "$WORK" results
+ls -la "$OUT" | tee -a "$LOG"
+exit "$RC"

@@ -1,0 +1,228 @@
+"""Markdown summary of a gpu-suite run, from the warehouse (default: its latest gpu-suite run).
+
+    python benchmarks/gpu/summary.py gpu.duckdb [--run-id ID] [--parquet DIR] > summary.md
+
+With --parquet, every table and view is also written to DIR as Parquet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from quantgate.warehouse import store
+
+GIB = 1024**3
+
+
+def render(con: Any, run_id: str | None = None) -> str:
+    run = _run(con, run_id)
+    if run is None:
+        return "# GPU suite\n\nNo gpu-suite run in this warehouse.\n"
+    rid = run["run_id"]
+    speed = store.rows(
+        con,
+        "SELECT s.*, v.name AS variant, v.weights FROM speed_results s JOIN variants v USING (variant_uid)"
+        " WHERE s.run_id = ? ORDER BY v.name, s.scenario, s.engine",
+        [rid],
+    )
+    device = next((r["device"] for r in speed if r["device"]), "unknown device")
+    versions = json.loads(run["versions"] or "{}")
+    parts = [
+        f"# GPU suite: {run['model_id']} on {device}",
+        "",
+        f"Run `{rid}` on {run['host']}, {run['started_at']:%Y-%m-%d %H:%M} UTC, {run['status']}."
+        f" Versions: {', '.join(f'{k} {v}' for k, v in sorted(versions.items()))}.",
+        "Weights are random (dummy) with the model's real shapes: speed only, never quality.",
+        "",
+    ]
+    parts += _section("Steps", store.rows(
+        con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [rid]), [
+        ("#", "step_index", str), ("part", "part", str), ("engine", "engine", str), ("build", "build", str),
+        ("scenarios", "scenarios", lambda v: ", ".join(v)), ("status", "status", str),
+        ("seconds", "seconds", _f(0)), ("reason", "reason", _text),
+    ])
+    parts += _section("Offline throughput (output tokens/s): Transformers vs vLLM", _offline(speed), [
+        ("variant", "variant", str), ("Transformers", "transformers", _f(0)), ("vLLM", "vllm", _f(0)),
+        ("vLLM ÷ Transformers", "ratio", _f(2)), ("vllm bench", "vllm-bench", _f(0)), ("note", "note", _text),
+    ], note="Same 'offline' scenario for both engines; vLLM takes every prompt in one call, Transformers"
+            " runs static batches. vllm bench: `vllm bench throughput` on the same config.")
+    parts += _section(
+        "Quantized over base (same engine and scenario)",
+        store.rows(con, "SELECT s.*, v.name AS variant FROM variant_speedup s JOIN variants v USING (variant_uid)"
+                        " WHERE s.run_id = ? AND s.speedup IS NOT NULL ORDER BY v.name, s.scenario, s.engine", [rid]),
+        [("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
+         ("tok/s", "tokens_per_s", _f(0)), ("base tok/s", "base_tokens_per_s", _f(0)), ("speedup", "speedup", _f(2)),
+         ("TPOT ms", "tpot_ms", _f(2)), ("base TPOT ms", "base_tpot_ms", _f(2))],
+    )
+    parts += _section(
+        "vLLM cross-check: ours vs `vllm bench throughput` on the same config",
+        store.rows(con, "SELECT c.*, v.name AS variant FROM vllm_crosscheck c JOIN variants v USING (variant_uid)"
+                        " WHERE c.run_id = ? ORDER BY v.name", [rid]),
+        [("variant", "variant", str), ("scenario", "scenario", str),
+         ("ours out tok/s", "ours_output_tokens_per_s", _f(0)), ("bench out tok/s", "bench_output_tokens_per_s", _f(0)),
+         ("gap %", "output_gap_pct", _f(1)), ("ours total tok/s", "ours_total_tokens_per_s", _f(0)),
+         ("bench total tok/s", "bench_total_tokens_per_s", _f(0)), ("gap %", "total_gap_pct", _f(1)),
+         ("note", "reason", _text)],
+    )
+    latency = [
+        r for r in speed if r["decode_tokens_per_s"] is not None or (r["status"] != "ok" and "latency" in r["scenario"])
+    ]
+    parts += _section("Batch-1 latency and the memory-bandwidth roofline", latency, [
+        ("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
+        ("TTFT ms", "ttft_ms", _f(1)), ("TPOT ms", "tpot_ms", _f(2)), ("decode tok/s", "decode_tokens_per_s", _f(0)),
+        ("weights GB/token", "weight_bytes_per_token", lambda v: _f(2)(v / 1e9 if v else None)),
+        ("bandwidth GB/s", "bandwidth_gbps", _f(0)), ("% of roofline", "roofline_fraction", _pct),
+        ("status", "status", str), ("reason", "reason", _text),
+    ])
+    parts += _section(
+        "Serving (vLLM): latency percentiles and goodput per load",
+        store.rows(
+            con,
+            "SELECT p.*, g.output_tokens_per_s, g.goodput_requests_per_s, g.good_fraction, g.energy_j_per_token,"
+            " v.name AS variant FROM latency_percentiles p"
+            " JOIN serving_goodput g USING (run_id, variant_uid, engine, scenario, load)"
+            " JOIN variants v USING (variant_uid) WHERE p.run_id = ?"
+            " ORDER BY v.name, p.scenario, p.request_rate NULLS FIRST, p.max_concurrency",
+            [rid],
+        ),
+        [("variant", "variant", str), ("load", "load", str), ("ok/sent", "completed", str),
+         ("TTFT p50", "ttft_p50_ms", _f(1)), ("TTFT p99", "ttft_p99_ms", _f(1)),
+         ("TPOT p50", "tpot_p50_ms", _f(2)), ("TPOT p99", "tpot_p99_ms", _f(2)),
+         ("ITL p99", "itl_p99_ms", _f(2)), ("E2EL p50", "e2el_p50_ms", _f(0)),
+         ("out tok/s", "output_tokens_per_s", _f(0)), ("goodput req/s", "goodput_requests_per_s", _f(2)),
+         ("good %", "good_fraction", _pct), ("J/token", "energy_j_per_token", _f(3))],
+        note="Milliseconds. Goodput: requests meeting the scenario's SLO per second of the load.",
+    )
+    parts += _section("Memory and energy", [r for r in speed if r["status"] == "ok"], [
+        ("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
+        ("peak GiB", "peak_memory_bytes", _gib), ("NVML peak GiB", "nvml_peak_bytes", _gib),
+        ("torch peak GiB", "torch_peak_bytes", _gib), ("KV cache tokens", "kv_cache_tokens", _int),
+        ("KV cache GiB", "kv_cache_bytes", _gib), ("J/token", "energy_j_per_token", _f(3)),
+    ], note="Peak: device memory in use at its highest during the scenario (NVML, minus what was in use"
+            " before), or the torch allocator's reserve if higher; vLLM reserves gpu_memory_utilization of"
+            " the GPU up front. Torch peak is the measuring process's allocator (vLLM's is in its engine core).")
+    parts += _section("Levers", _levers(speed), [
+        ("variant", "variant", str), ("lever", "lever", str), ("engine", "engine", str),
+        ("baseline", "baseline", str), ("with lever", "scenario", str), ("metric", "metric", str),
+        ("baseline value", "base", _f(2)), ("with lever value", "value", _f(2)), ("change", "change", _text),
+        ("note", "note", _text),
+    ])
+    parts += _section("All speed results", speed, [
+        ("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
+        ("status", "status", str), ("out tok/s", "tokens_per_s", _f(0)), ("total tok/s", "total_tokens_per_s", _f(0)),
+        ("req/s", "requests_per_s", _f(2)), ("TTFT ms", "ttft_ms", _f(1)), ("TPOT ms", "tpot_ms", _f(2)),
+        ("E2EL ms", "e2el_ms", _f(0)), ("reason", "reason", _text),
+    ])
+    return "\n".join(parts)
+
+
+# Each lever: (name, scenario with it, the scenario without it, the metric it should move).
+LEVERS = [
+    ("CUDA graphs off", "offline-eager", "offline", "tokens_per_s"),
+    ("CUDA graphs off", "latency-eager", "latency", "tpot_ms"),
+    ("prefix caching on", "prefix-on", "prefix-off", "tokens_per_s"),
+    ("prefix caching on", "prefix-on", "prefix-off", "ttft_ms"),
+    ("n-gram speculation", "latency-ngram", "latency", "tpot_ms"),
+    ("static cache + torch.compile", "latency-compile", "latency", "tpot_ms"),
+]
+
+
+def _levers(speed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {(r["variant"], r["engine"], r["scenario"]): r for r in speed}
+    out = []
+    for lever, scenario, baseline, metric in LEVERS:
+        for (variant, engine, name), r in by.items():
+            base = by.get((variant, engine, baseline))
+            if name != scenario or base is None:
+                continue
+            value, ref = r[metric], base[metric]
+            change = f"{value / ref:.2f}×" if value is not None and ref else None
+            details = json.loads(r["details"] or "{}")
+            spec = details.get("spec_decode") or {}
+            note = r["reason"] or base["reason"]
+            if spec.get("acceptance_rate") is not None:
+                note = f"draft acceptance {spec['acceptance_rate']:.0%}"
+            out.append({"variant": variant, "lever": lever, "engine": engine, "baseline": baseline,
+                        "scenario": scenario, "metric": metric, "base": ref, "value": value, "change": change,
+                        "note": note})
+    return out
+
+
+def _offline(speed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for r in speed:
+        if r["scenario"] != "offline":
+            continue
+        row = out.setdefault(r["variant"], {"variant": r["variant"], "notes": []})
+        if r["status"] == "ok":
+            row[r["engine"]] = r["tokens_per_s"]
+        else:
+            row["notes"].append(f"{r['engine']} {r['status']}: {r['reason']}")
+    for row in out.values():
+        hf, vl = row.get("transformers"), row.get("vllm")
+        row["ratio"] = vl / hf if hf and vl else None
+        row["note"] = "; ".join(row.pop("notes")) or None
+    return list(out.values())
+
+
+def _run(con: Any, run_id: str | None) -> dict[str, Any] | None:
+    if run_id:
+        found = store.rows(con, "SELECT * FROM runs WHERE run_id = ?", [run_id])
+    else:
+        found = store.rows(con, "SELECT * FROM runs WHERE flow_name = 'gpu-suite' ORDER BY started_at DESC LIMIT 1")
+    return found[0] if found else None
+
+
+Column = tuple[str, str, Callable[[Any], str]]
+
+
+def _section(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[Column], note: str | None = None) -> list[str]:
+    out = [f"## {title}", ""]
+    if note:
+        out += [note, ""]
+    if not rows:
+        return out + ["(none)", ""]
+    out.append("| " + " | ".join(c[0] for c in columns) + " |")
+    out.append("|" + "---|" * len(columns))
+    for r in rows:
+        out.append("| " + " | ".join("—" if r.get(key) is None else fmt(r[key]) for _, key, fmt in columns) + " |")
+    return out + [""]
+
+
+def _f(digits: int) -> Callable[[Any], str]:
+    return lambda v: "—" if v is None else f"{v:,.{digits}f}"
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.1f}%"
+
+
+def _gib(v: int | None) -> str:
+    return "—" if v is None else f"{v / GIB:.2f}"
+
+
+def _int(v: int | None) -> str:
+    return "—" if v is None else f"{v:,}"
+
+
+def _text(v: Any) -> str:
+    return "" if v is None else str(v).replace("|", "/").replace("\n", " ")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("warehouse")
+    parser.add_argument("--run-id")
+    parser.add_argument("--parquet", help="also export every table and view to this folder")
+    args = parser.parse_args(argv)
+    with store.session(args.warehouse, read_only=True) as con:
+        print(render(con, args.run_id))
+        if args.parquet:
+            store.export_parquet(con, args.parquet)
+
+
+if __name__ == "__main__":
+    main()

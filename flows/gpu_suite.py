@@ -1,0 +1,387 @@
+"""gpu-suite: the speed half of quantgate on one GPU, with dummy weights of a real model shape.
+
+Builds dummy checkpoints of the shape (BF16 without weight files, for vLLM's dummy loader and
+Transformers' random init on the device; W4A16 with random packed weights written), records them as
+a model and variants with weights 'dummy', then runs catalog/gpu.yaml's steps in their order. Each step
+is one isolated unit (an engine process, a `vllm bench throughput` run or a `vllm serve` server): a
+failure is recorded as a failed row and the next step runs. After `deadline_s` no step starts; the rest
+are recorded as skipped ("deadline"). A step that starts is given at most what is left of
+deadline_s + grace_s.
+
+    python -m quantgate.flows.gpu_suite --warehouse gpu.duckdb --deadline-s 330
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from quantgate.catalog.schema import CATALOG_DIR, GpuSuiteSpec, ScenarioSpec, SuiteStep, load_gpu_suite
+from quantgate.tasks import engines
+from quantgate.tasks.benchmark import engine_options, resolve_device, run_scenarios
+from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
+from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
+from quantgate.tasks.serving import Slo, bench_scenario, serve_scenario
+from quantgate.warehouse import store
+
+DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
+FLOW_NAME = "gpu-suite"
+
+
+class GpuSuiteError(RuntimeError):
+    """A suite that cannot run as asked; the message is one line."""
+
+
+@dataclass
+class Clock:
+    """Seconds since the run began, against the deadline for starting steps and the hard end."""
+
+    deadline_s: float
+    grace_s: float
+    now: Callable[[], float] = time.monotonic
+    start: float = field(default=math.nan)
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.start):
+            self.start = self.now()
+
+    def elapsed(self) -> float:
+        return self.now() - self.start
+
+    def expired(self) -> bool:
+        return self.elapsed() >= self.deadline_s
+
+    def step_timeout(self, step_timeout_s: float) -> float:
+        return max(1.0, min(step_timeout_s, self.deadline_s + self.grace_s - self.elapsed()))
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    status: str  # ok | failed | skipped
+    reason: str | None
+
+
+def run_steps(
+    steps: Sequence[tuple[int, SuiteStep]],
+    clock: Clock,
+    execute: Callable[[int, SuiteStep, float], StepOutcome],
+    skip: Callable[[int, SuiteStep, str], None],
+    record: Callable[[int, SuiteStep, StepOutcome, float | None, float | None], None],
+) -> list[StepOutcome]:
+    """Run steps in order: each gets execute(index, step, timeout_s) unless the deadline has passed,
+    when it gets skip(index, step, reason) instead. An exception from a step is its failure."""
+    outcomes = []
+    for index, step in steps:
+        if clock.expired():
+            reason = f"deadline: not started, {clock.elapsed():.0f} s in and deadline_s is {clock.deadline_s:g}"
+            skip(index, step, reason)
+            outcome, started, seconds = StepOutcome("skipped", reason), None, None
+        else:
+            started = clock.elapsed()
+            try:
+                outcome = execute(index, step, clock.step_timeout(step.timeout_s))
+            except Exception as e:  # a step's own failure; the suite goes on
+                outcome = StepOutcome("failed", _one_line(e))
+            seconds = clock.elapsed() - started
+        record(index, step, outcome, started, seconds)
+        outcomes.append(outcome)
+    return outcomes
+
+
+# --- builds ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Build:
+    name: str
+    path: Path
+    quant: str | None
+    group_size: int
+    variant: VariantArtifact
+    stamp: dict[str, Any]
+
+
+MARKER = "quantgate-dummy.json"
+
+
+def shape_config(spec: GpuSuiteSpec, shape: str) -> dict[str, Any]:
+    if shape not in spec.shapes:
+        raise GpuSuiteError(f"unknown shape {shape!r}; the suite defines {sorted(spec.shapes)}")
+    s = spec.shapes[shape]
+    if s.preset not in SHAPES:
+        raise GpuSuiteError(f"shape {shape!r}: unknown preset {s.preset!r}; known: {sorted(SHAPES)}")
+    return {**SHAPES[s.preset], **s.overrides}
+
+
+def prepare(
+    spec: GpuSuiteSpec, shape: str, config: dict[str, Any], root: Path, names: set[str]
+) -> tuple[ModelArtifact, dict[str, Build]]:
+    """The folder of each named build with its config and tokenizer (weights come later, only if a
+    step runs), and the model and variant records, identified by the shape's config. A folder made
+    earlier from the same config is kept as it is, weights included."""
+    sha = hashlib.sha256(json.dumps({"config": config, "weights": "dummy"}, sort_keys=True).encode()).hexdigest()
+    bf16 = layout(config)
+    model = ModelArtifact(
+        model_id=shape,
+        path=str(root),
+        source="local",
+        revision=None,
+        sha=sha,
+        architecture=(config.get("architectures") or [None])[0],
+        num_parameters=sum(math.prod(dims) for dims, _ in bf16.values()),
+        size_bytes=sum(nbytes for _, nbytes in bf16.values()),
+    )
+    builds = {}
+    for name, b in spec.builds.items():
+        if name not in names:
+            continue
+        path = root / name
+        stamp = {"config_sha": sha, "quant": b.quant, "group_size": b.group_size}
+        if _marker(path) not in (stamp, {**stamp, "weights": True}):
+            write_dummy_checkpoint(path, config, quant=b.quant, group_size=b.group_size, write_weights=False)
+            (path / MARKER).write_text(json.dumps(stamp, sort_keys=True))
+        variant = VariantArtifact(
+            uid=f"{model.uid}:dummy-{name}",
+            model_uid=model.uid,
+            name=name,
+            method="base" if name == spec.base_build else "dummy",
+            scheme=b.quant.upper() if b.quant else None,
+            bits=4 if b.quant == "w4a16" else None,
+            group_size=b.group_size if b.quant else None,
+            path=str(path),
+            recipe=None,
+            recipe_hash=None,
+            size_bytes=sum(nbytes for _, nbytes in layout(config, b.quant, b.group_size).values()),
+            weights="dummy",
+        )
+        builds[name] = Build(name, path, b.quant, b.group_size, variant, stamp)
+    return model, builds
+
+
+def ensure_weights(build: Build, config: dict[str, Any]) -> None:
+    """Write a quantized build's random weights once (vLLM's dummy loader cannot fill packed int32
+    weights); a BF16 build stays without weight files and is initialised by the engine."""
+    done = {**build.stamp, "weights": True}
+    if build.quant is None or _marker(build.path) == done:
+        return
+    # In a process of its own: random values are drawn fastest on the GPU, and this flow's process must
+    # not keep a CUDA context (and the allocator's cache) through every later step.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        pool.apply(write_dummy_checkpoint, (build.path, config),
+                   {"quant": build.quant, "group_size": build.group_size, "write_weights": True})
+    (build.path / MARKER).write_text(json.dumps(done, sort_keys=True))
+
+
+def _marker(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --- the flow ----------------------------------------------------------------------------------
+
+
+def check_steps(spec: GpuSuiteSpec) -> None:
+    """Every engine step's scenarios must need one engine configuration, since they share one start."""
+    for i, step in enumerate(spec.steps):
+        if step.engine not in ("transformers", "vllm"):
+            continue
+        first = engine_options(spec.scenarios[step.scenarios[0]], "cuda")
+        for name in step.scenarios[1:]:
+            if engine_options(spec.scenarios[name], "cuda") != first:
+                raise GpuSuiteError(
+                    f"steps.{i}: scenarios {step.scenarios[0]!r} and {name!r} need different engine options;"
+                    " put them in separate steps"
+                )
+
+
+def _step_engines(step: SuiteStep) -> tuple[str, str]:
+    """(engine that must be available, engine name on the result rows)."""
+    available = "transformers" if step.engine == "transformers" else "vllm"
+    return available, {"vllm-serve": "vllm"}.get(step.engine, step.engine)
+
+
+@task(name="gpu-step", cache_policy=NO_CACHE, task_run_name="{label}")
+def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[str, ScenarioSpec]],
+             config: dict[str, Any], work: Path, timeout_s: float, wh: str, run_id: str) -> StepOutcome:
+    """One step: its build's weights if still missing, then the engine, bench or server; results stored."""
+    deadline = time.monotonic() + timeout_s
+    ensure_weights(build, config)
+    remaining = max(1.0, deadline - time.monotonic())
+    uid = build.variant.uid
+    work.mkdir(parents=True, exist_ok=True)
+    if step.engine in ("transformers", "vllm"):
+        results = run_scenarios(str(build.path), step.engine, scenarios, timeout_s=remaining, log_dir=work)
+    elif step.engine == "vllm-bench":
+        ((name, scenario),) = scenarios
+        results = [bench_scenario(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)]
+    else:
+        ((name, scenario),) = scenarios
+        result, loads = serve_scenario(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)
+        results = [result]
+        with store.session(wh) as con:
+            store.record_serving(con, run_id, uid, "vllm", name, loads, _slo(scenario))
+    with store.session(wh) as con:
+        store.record_speed(con, run_id, uid, results)
+    return _summarise(results)
+
+
+def _slo(scenario: ScenarioSpec) -> Slo | None:
+    return Slo(**scenario.slo.model_dump()) if scenario.slo else None
+
+
+def _summarise(results: list[SpeedResult]) -> StepOutcome:
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        return StepOutcome("failed", f"{failed[0].scenario}: {failed[0].reason}")
+    if all(r.status == "skipped" for r in results):
+        return StepOutcome("skipped", results[0].reason)
+    return StepOutcome("ok", None)
+
+
+def _unavailable(step: SuiteStep, scenarios: list[tuple[str, ScenarioSpec]]) -> str | None:
+    engine, _ = _step_engines(step)
+    device = "cuda" if step.engine in ("vllm-bench", "vllm-serve") else resolve_device(scenarios[0][1].device)
+    return engines.availability(engine, device)
+
+
+@flow(name=FLOW_NAME, log_prints=True)
+def gpu_suite(
+    warehouse: str | None = None,
+    workdir: str | None = None,
+    shape: str = "qwen2.5-7b-instruct",
+    suite: str | None = None,
+    parts: list[str] | None = None,
+    deadline_s: float = 330.0,
+    grace_s: float = 60.0,
+) -> list[dict]:
+    """Run the GPU suite's steps (those of `parts`, default all) for one shape into the warehouse."""
+    log = get_run_logger()
+    suite_path = Path(suite) if suite else DEFAULT_SUITE
+    spec = load_gpu_suite(suite_path)
+    check_steps(spec)
+    config = shape_config(spec, shape)
+    known_parts = sorted({s.part for s in spec.steps})
+    if parts and (unknown := sorted(set(parts) - set(known_parts))):
+        raise GpuSuiteError(f"unknown part(s) {unknown}; the suite has {known_parts}")
+    steps = [(i, s) for i, s in enumerate(spec.steps) if not parts or s.part in parts]
+    clock = Clock(deadline_s, grace_s)
+    run_id = str(flow_run.id)
+    wh = warehouse or str(store.default_path())
+    root = Path(workdir or ".quantgate").resolve() / "gpu" / shape
+    spec_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    with store.session(wh) as con:
+        store.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, platform.node(), _versions())
+    try:
+        model, builds = prepare(spec, shape, config, root, {spec.base_build, *(s.build for _, s in steps)})
+        with store.session(wh) as con:
+            store.record_model(con, run_id, model)
+            for name, b in builds.items():
+                store.record_variant(con, run_id, b.variant, role="base" if name == spec.base_build else "variant")
+
+        def scenarios_of(step: SuiteStep) -> list[tuple[str, ScenarioSpec]]:
+            # A dummy build can only run with random or written-random weights.
+            return [(n, spec.scenarios[n].model_copy(update={"weights": "dummy"})) for n in step.scenarios]
+
+        def label(index: int, step: SuiteStep) -> str:
+            return f"{index:02d} {step.engine} {step.build} {'+'.join(step.scenarios)}"
+
+        def rows_for(step: SuiteStep, status: str, reason: str) -> list[SpeedResult]:
+            _, engine = _step_engines(step)
+            return [SpeedResult(engine, n, status, reason, s.model_dump(mode="json"))  # type: ignore[arg-type]
+                    for n, s in scenarios_of(step)]
+
+        def skip(index: int, step: SuiteStep, reason: str) -> None:
+            with store.session(wh) as con:
+                store.record_speed(con, run_id, builds[step.build].variant.uid, rows_for(step, "skipped", reason))
+
+        def execute(index: int, step: SuiteStep, timeout_s: float) -> StepOutcome:
+            scenarios = scenarios_of(step)
+            if (why := _unavailable(step, scenarios)) is not None:
+                skip(index, step, why)
+                return StepOutcome("skipped", why)
+            try:
+                return _execute(label(index, step), step, builds[step.build], scenarios, config,
+                                root / "logs" / f"step{index:02d}", timeout_s, wh, run_id)
+            except Exception as e:
+                reason = _one_line(e)
+                with store.session(wh) as con:
+                    store.record_speed(con, run_id, builds[step.build].variant.uid, rows_for(step, "failed", reason))
+                return StepOutcome("failed", reason)
+
+        def record(index: int, step: SuiteStep, outcome: StepOutcome, started: float | None, seconds: float | None) -> None:
+            log.info("%s: %s%s%s", label(index, step), outcome.status,
+                     f" in {seconds:.0f} s" if seconds is not None else "", f" ({outcome.reason})" if outcome.reason else "")
+            with store.session(wh) as con:
+                store.record_suite_step(con, run_id, index, step.part, step.engine, step.build, step.scenarios,
+                                        outcome.status, outcome.reason, started, seconds)
+
+        run_steps(steps, clock, execute, skip, record)
+    except Exception as e:
+        with store.session(wh) as con:
+            store.finish_run(con, run_id, error=_one_line(e))
+        raise
+    with store.session(wh) as con:
+        store.finish_run(con, run_id)
+        return store.rows(con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [run_id])
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata
+
+    out = {}
+    for name in ("quantgate", "torch", "transformers", "vllm", "compressed-tensors", "prefect", "duckdb"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    message = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    return message if len(message) <= 300 else message[:297] + "..."
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m quantgate.flows.gpu_suite", description=__doc__.splitlines()[0])
+    parser.add_argument("--warehouse", help="DuckDB file (default $QUANTGATE_WAREHOUSE or quantgate.duckdb)")
+    parser.add_argument("--workdir", help="where the dummy checkpoints and logs go (default .quantgate)")
+    parser.add_argument("--shape", default="qwen2.5-7b-instruct")
+    parser.add_argument("--suite", help="GPU suite YAML (default catalog/gpu.yaml)")
+    parser.add_argument("--parts", help="comma-separated parts to run (default all)")
+    parser.add_argument("--deadline-s", type=float, default=330.0, help="no step starts after this many seconds")
+    parser.add_argument("--grace-s", type=float, default=60.0, help="a started step may run this far past the deadline")
+    args = parser.parse_args(argv)
+    steps = gpu_suite(
+        warehouse=args.warehouse,
+        workdir=args.workdir,
+        shape=args.shape,
+        suite=args.suite,
+        parts=args.parts.split(",") if args.parts else None,
+        deadline_s=args.deadline_s,
+        grace_s=args.grace_s,
+    )
+    for s in steps:
+        took = "" if s["seconds"] is None else f"{s['seconds']:6.1f} s"
+        print(f"{s['step_index']:>2} {s['status']:<8} {took:>8}  {s['engine']:<12} {s['build']:<12} "
+              f"{','.join(s['scenarios']):<28} {s['reason'] or ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The whole GPU suite flow on the device, on a small Qwen2 shape: every step kind runs and lands in the views."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import yaml
+
+from quantgate.flows.gpu_suite import gpu_suite
+from quantgate.warehouse import store
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
+                       reason="needs vllm and a CUDA GPU"),
+]
+
+# Small, with shapes the W4A16 Marlin kernels take (in_features % 128, out_features % 64).
+SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_window_layers": 2, "vocab_size": 2048, "bos_token_id": 2046,
+         "eos_token_id": 2047}
+COMMON = {"device": "cuda", "dtype": "bfloat16", "weights": "dummy", "max_model_len": 256, "enforce_eager": True,
+          "gpu_memory_utilization": 0.3, "num_prompts": 16, "input_len": 64, "output_len": 32, "batch_size": 8,
+          "warmup": 1, "repetitions": 1}
+
+
+def _suite(tmp_path):
+    offline = {**COMMON, "kind": "offline", "engines": ["transformers", "vllm"]}
+    latency = {**offline, "kind": "latency", "num_prompts": 2}
+    suite = {
+        "version": 1,
+        "shapes": {"small": {"preset": "qwen2.5-7b-instruct", "overrides": SMALL}},
+        "builds": {"bf16": {}, "w4a16-g128": {"quant": "w4a16", "group_size": 128}},
+        "base_build": "bf16",
+        "scenarios": {
+            "offline": offline,
+            "latency": latency,
+            "latency-ngram": {**latency, "engines": ["vllm"], "speculative": "ngram"},
+            "latency-compile": {**latency, "engines": ["transformers"], "transformers_compile": True},
+            "serving": {**offline, "kind": "serving", "engines": ["vllm"], "concurrency": [1, 4], "rounds": 2,
+                        "request_rates": [20], "num_prompts": 8, "slo": {"ttft_ms": 10_000, "tpot_ms": 1_000}},
+        },
+        "steps": [
+            {"part": "offline", "engine": "vllm", "build": "bf16", "scenarios": ["offline", "latency"]},
+            {"part": "offline", "engine": "vllm", "build": "w4a16-g128", "scenarios": ["offline", "latency"]},
+            {"part": "crosscheck", "engine": "vllm-bench", "build": "bf16", "scenarios": ["offline"]},
+            {"part": "offline", "engine": "transformers", "build": "bf16", "scenarios": ["offline", "latency"]},
+            {"part": "offline", "engine": "transformers", "build": "w4a16-g128", "scenarios": ["offline"]},
+            {"part": "serving", "engine": "vllm-serve", "build": "bf16", "scenarios": ["serving"]},
+            {"part": "levers", "engine": "vllm", "build": "bf16", "scenarios": ["latency-ngram"]},
+            {"part": "compile", "engine": "transformers", "build": "bf16", "scenarios": ["latency-compile"]},
+        ],
+    }
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    return path
+
+
+def test_every_step_kind_runs_on_the_gpu(tmp_path):
+    wh = tmp_path / "w.duckdb"
+
+    steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="small", suite=str(_suite(tmp_path)),
+                      deadline_s=1200, grace_s=300)
+
+    assert all(s["status"] == "ok" for s in steps), [(s["engine"], s["build"], s["reason"]) for s in steps]
+    with store.session(wh, read_only=True) as con:
+        speed = {(r["engine"], r["scenario"], r["variant_uid"].rsplit("-", 1)[-1]): r
+                 for r in store.rows(con, "SELECT * FROM speed_results")}
+        for build in ("bf16", "g128"):
+            offline = speed[("vllm", "offline", build)]
+            assert offline["output_tokens"] == 16 * 32 and offline["kv_cache_tokens"] > 0 and offline["kv_cache_bytes"] > 0
+            lat = speed[("vllm", "latency", build)]
+            assert lat["bandwidth_gbps"] > 1000 and lat["weight_bytes_per_token"] > 0
+            assert 0 < lat["roofline_fraction"] < 1.2
+        hf = speed[("transformers", "latency", "bf16")]
+        assert hf["torch_peak_bytes"] > 0 and hf["nvml_peak_bytes"] > 0 and 0 < hf["roofline_fraction"] < 1.2
+        assert speed[("transformers", "latency-compile", "bf16")]["tpot_ms"] > 0
+        assert "spec_decode" in json.loads(speed[("vllm", "latency-ngram", "bf16")]["details"])
+        (cc,) = store.rows(con, "SELECT * FROM vllm_crosscheck")
+        assert cc["bench_output_tokens_per_s"] > 0 and abs(cc["output_gap_pct"]) < 90
+        pct = {r["load"]: r for r in store.rows(con, "SELECT * FROM latency_percentiles")}
+        assert set(pct) == {"c=1", "c=4", "rate=20"}
+        assert all(r["completed"] == r["requests"] and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in pct.values())
+        good = store.rows(con, "SELECT * FROM serving_goodput")
+        assert all(g["good_requests"] == g["completed"] for g in good)
+        assert speed[("vllm", "serving", "bf16")]["kv_cache_tokens"] > 0
