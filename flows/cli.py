@@ -147,6 +147,7 @@ def _cell(v: object) -> str:
 
 def main() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         app(standalone_mode=False)
     except (typer.Exit, SystemExit) as e:

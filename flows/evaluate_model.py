@@ -33,7 +33,7 @@ def _run_name() -> str:
     return f"evaluate {params['model']}" + (f" [{','.join(params['variants'])}]" if params.get("variants") else "")
 
 
-@flow(name="evaluate-model", flow_run_name=_run_name, log_prints=True)
+@flow(name="evaluate-model", flow_run_name=_run_name)
 def evaluate_model(
     model: str,
     catalog: str | None = None,

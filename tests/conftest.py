@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-TINY_MODEL = SHARED / "models" / "stories260k-i256"
+from tests.shared_data import TINY_MODEL
 
 # Hubs are unreachable here; make every library fail fast instead of retrying the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -4,13 +4,14 @@ import statistics
 from pathlib import Path
 
 import pytest
+from tests.shared_data import TINY_MODEL
 import torch
 
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks.benchmark import BenchmarkError, make_prompts, run_scenario
 from quantgate.tasks.engines import EngineOptions, create
 
-TINY = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "models" / "stories260k-i256"
+TINY = TINY_MODEL
 SMALL = ScenarioSpec(num_prompts=4, input_len=16, output_len=8, batch_size=4, warmup=1, repetitions=3, device="cpu")
 LINES = ["Once upon a time", "Tom was a small boy who loved trucks. He had a blue truck and a yellow truck.", "Mia"]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")

@@ -2,11 +2,12 @@ import math
 from pathlib import Path
 
 import pytest
+from tests.shared_data import SHARED
 
 from quantgate.catalog.schema import LocalTask, SuiteSpec
 from quantgate.tasks.evaluate import eval_key, evaluate_variant
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
 MODEL = SHARED / "models" / "stories260k-i256"
 PIQA_LIMIT = 50
 SUITE = SuiteSpec(tasks=(LocalTask(name="qg_simple_stories"), LocalTask(name="qg_piqa", limit=PIQA_LIMIT)), batch_size=8)

@@ -31,7 +31,7 @@ def two_runs(tmp_path_factory, tiny_model_module):
 
 @pytest.fixture(scope="module")
 def tiny_model_module():
-    from conftest import TINY_MODEL
+    from tests.shared_data import TINY_MODEL
 
     if not TINY_MODEL.exists():
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.shared_data import SHARED
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,7 +26,7 @@ from quantgate.tasks.quantize import (
 )
 from quantgate.tasks.records import ModelArtifact
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = SHARED
 TINY = DATA / "models" / "stories260k-i256"  # every Linear in_features divisible by 32 and 64
 TINY_172 = DATA / "models" / "stories260k"  # intermediate size 172: group 32 cannot divide down_proj
 STORIES = DATA / "eval" / "simple_stories" / "simple_stories.txt"

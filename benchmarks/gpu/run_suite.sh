@@ -21,29 +21,7 @@ mkdir -p "$OUT" "$RESULTS"
 LOG="$OUT/log.txt"
 : > "$LOG"
 
-DEVKIT="${DEVKIT_SITE:-/root/devkit-site}"
-if [ -d "$DEVKIT" ]; then
-    export PYTHONPATH="$DEVKIT${PYTHONPATH:+:$PYTHONPATH}" PATH="$DEVKIT/bin:$PATH"
-fi
-# The package maps the repo's folders to quantgate.* (setuptools package-dir); a folder of links gives
-# the same imports without installing anything.
-SHIM="$WORK/shim"
-mkdir -p "$SHIM/quantgate"
-for d in flows tasks catalog warehouse; do ln -sfn "$REPO/$d" "$SHIM/quantgate/$d"; done
-export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-    PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_HOME="$WORK/prefect" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-unset PREFECT_API_URL  # Prefect's ephemeral local API: no server to run
-# vllm serve / vllm bench start their own sessions; their ids land here so that an abrupt end can
-# still stop them by id.
-export QUANTGATE_PIDFILE="$WORK/sessions.pid"
-: > "$QUANTGATE_PIDFILE"
-stop_sessions() {
-    while read -r pid; do
-        [ -n "$pid" ] && kill -KILL -- "-$pid" 2>/dev/null
-    done < "$QUANTGATE_PIDFILE"
-}
-trap stop_sessions EXIT
+. "$REPO/benchmarks/gpu/env.sh"
 
 {
     echo "== $(date -u +%FT%TZ) quantgate GPU suite: deadline ${DEADLINE_S}s + grace ${GRACE_S}s"

@@ -1,13 +1,14 @@
 from pathlib import Path
 
 import pytest
+from tests.shared_data import TINY_MODEL
 
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks.benchmark import run_scenario
 
 pytestmark = pytest.mark.gpu
 
-TINY = str(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260k-i256")
+TINY = str(TINY_MODEL)
 SCENARIO = ScenarioSpec(
     num_prompts=8, input_len=32, output_len=16, batch_size=8, warmup=1, repetitions=3, device="cuda"
 )
