@@ -578,9 +578,10 @@ def vllm_bench_throughput(
         str(model_path),
         "--dataset-name",
         "random",
-        "--input-len",
+        # The random dataset prefers its own --random-*-len (defaults 1024 / 128) over --input-len/--output-len.
+        "--random-input-len",
         str(input_len),
-        "--output-len",
+        "--random-output-len",
         str(output_len),
         "--random-range-ratio",
         "0",

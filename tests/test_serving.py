@@ -366,7 +366,7 @@ _FAKE_BENCH = textwrap.dedent(
     args = sys.argv[1:]
     assert args[:2] == ["bench", "throughput"], args
     get = lambda flag: args[args.index(flag) + 1]
-    n, i, o = int(get("--num-prompts")), int(get("--input-len")), int(get("--output-len"))
+    n, i, o = int(get("--num-prompts")), int(get("--random-input-len")), int(get("--random-output-len"))
     if get("--model") == "broken":
         print("ValueError: no such model"); sys.exit(1)
     elapsed = 2.0
