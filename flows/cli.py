@@ -70,6 +70,24 @@ def demo(warehouse: WarehouseOpt = None, workdir: WorkdirOpt = None) -> None:
     console.print(f"\nwarehouse: {wh}   try: quantgate sql \"select * from variant_scorecard\"")
 
 
+@app.command("gpu-suite")
+def gpu_suite_cmd(
+    parts: Annotated[Optional[str], typer.Option(help="comma-separated parts of the suite (default all)")] = None,
+    shape: Annotated[str, typer.Option(help="a shape of the suite file")] = "qwen2.5-7b-instruct",
+    suite: Annotated[Optional[Path], typer.Option(help="GPU suite YAML (default catalog/gpu.yaml)")] = None,
+    deadline_s: Annotated[float, typer.Option(help="no step starts after this many seconds")] = 330.0,
+    warehouse: WarehouseOpt = None,
+    workdir: WorkdirOpt = None,
+) -> None:
+    """Speed-only GPU suite on dummy weights of a real shape (Transformers vs vLLM, serving, levers)."""
+    from quantgate.flows.gpu_suite import gpu_suite
+
+    steps = gpu_suite(warehouse=str(warehouse) if warehouse else None, workdir=str(workdir) if workdir else None,
+                      shape=shape, suite=str(suite) if suite else None,
+                      parts=parts.split(",") if parts else None, deadline_s=deadline_s)
+    _print_rows(steps, ["step_index", "part", "engine", "build", "status", "seconds", "reason"])
+
+
 @app.command()
 def sql(
     query: Annotated[str, typer.Argument(help="SQL to run read-only against the warehouse")],
