@@ -19,6 +19,7 @@ from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import CalibrationError, base_variant, build_variant_task, lib_versions
 from quantgate.tasks.records import ModelArtifact, VariantArtifact
 from quantgate.warehouse import store
+from quantgate.tasks.errors import one_line
 
 
 USER_ERRORS = (CatalogError, DownloadError, CalibrationError)
@@ -60,7 +61,7 @@ def evaluate_model(
         return Failed(message=str(e))
     except Exception as e:
         with store.session(wh) as con:
-            store.finish_run(con, run_id, error=_one_line(e))
+            store.finish_run(con, run_id, error=one_line(e))
         raise
     with store.session(wh) as con:
         store.finish_run(con, run_id)
@@ -140,11 +141,6 @@ def _eval_setup() -> tuple[str, str, str]:
     if not torch.cuda.is_available():
         return "hf", "cpu", "float32"
     return ("vllm" if importlib.util.find_spec("vllm") else "hf"), "cuda", "bfloat16"
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _publish(model_id: str, card: list[dict]) -> None:

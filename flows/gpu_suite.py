@@ -36,6 +36,7 @@ from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
 from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
 from quantgate.tasks.serving import Slo, bench_scenario, serve_scenario
 from quantgate.warehouse import store
+from quantgate.tasks.errors import one_line
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
 FLOW_NAME = "gpu-suite"
@@ -94,7 +95,7 @@ def run_steps(
             try:
                 outcome = execute(index, step, clock.step_timeout(step.timeout_s))
             except Exception as e:  # a step's own failure; the suite goes on
-                outcome = StepOutcome("failed", _one_line(e))
+                outcome = StepOutcome("failed", one_line(e))
             seconds = clock.elapsed() - started
         record(index, step, outcome, started, seconds)
         outcomes.append(outcome)
@@ -318,7 +319,7 @@ def gpu_suite(
                 return _execute(label(index, step), step, builds[step.build], scenarios, config,
                                 root / "logs" / f"step{index:02d}", timeout_s, wh, run_id)
             except Exception as e:
-                reason = _one_line(e)
+                reason = one_line(e)
                 with store.session(wh) as con:
                     store.record_speed(con, run_id, builds[step.build].variant.uid, rows_for(step, "failed", reason))
                 return StepOutcome("failed", reason)
@@ -333,7 +334,7 @@ def gpu_suite(
         run_steps(steps, clock, execute, skip, record)
     except Exception as e:
         with store.session(wh) as con:
-            store.finish_run(con, run_id, error=_one_line(e))
+            store.finish_run(con, run_id, error=one_line(e))
         raise
     with store.session(wh) as con:
         store.finish_run(con, run_id)
@@ -350,12 +351,6 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return out
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    message = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-    return message if len(message) <= 300 else message[:297] + "..."
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -36,6 +36,7 @@ from quantgate.tasks.roofline import (
     roofline_fraction,
 )
 from quantgate.tasks.telemetry import Telemetry, device_name, measure_bandwidth_gbps
+from quantgate.tasks.errors import one_line
 
 
 class BenchmarkError(RuntimeError):
@@ -270,7 +271,7 @@ def run_scenarios(
             try:
                 status, payload = "ok", _measure_group(model_path, engine_name, items, used)
             except Exception as e:
-                status, payload = "failed", _one_line(e)
+                status, payload = "failed", one_line(e)
         if status == "ok":
             break
         log_text = log.read_text(errors="replace") if log and log.exists() else ""
@@ -382,7 +383,7 @@ def _child(
     try:
         sender.send(("ok", _measure_group(model_path, engine_name, scenarios, opts)))
     except BaseException as e:  # report whatever stops the run, then let the process end
-        sender.send(("failed", _one_line(e)))
+        sender.send(("failed", one_line(e)))
     finally:
         sender.close()
 
@@ -405,12 +406,6 @@ def _exit_reason(exitcode: int | None) -> str:
     return f"engine process exited with code {exitcode} before reporting"
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    message = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-    return message if len(message) <= 300 else message[:297] + "..."
-
-
 def _measure_group(
     model_path: str, engine_name: str, scenarios: list[ScenarioSpec], opts: EngineOptions
 ) -> list[tuple[str, Any]]:
@@ -426,7 +421,7 @@ def _measure_group(
                 try:
                     out.append(("ok", _measure_one(engine, scenario, sets, telemetry, opts)))
                 except Exception as e:
-                    out.append(("failed", _one_line(e)))
+                    out.append(("failed", one_line(e)))
         finally:
             engine.close()
     # Measured last, on a GPU the engine has let go of: the ceiling the latency runs are held against.
@@ -435,7 +430,7 @@ def _measure_group(
         try:
             bandwidth = measure_bandwidth_gbps()
         except Exception as e:  # the latency results stand without their roofline
-            problem = _one_line(e)
+            problem = one_line(e)
         for scenario, (status, measured) in zip(scenarios, out, strict=True):
             if status == "ok" and scenario.kind == "latency":
                 measured["bandwidth_gbps"] = bandwidth

@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from quantgate.catalog.schema import CalibrationSpec, VariantSpec
 from quantgate.tasks.records import ModelArtifact, VariantArtifact
+from quantgate.tasks.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +116,11 @@ def _nonfinite_tensor(folder: Path) -> str | None:
     return None
 
 
-def _one_line(err: BaseException) -> str:
+def _build_error(err: BaseException) -> str:
     from quantgate.tasks.quantizers.llmcompressor import QuantizeError
 
-    text = str(err).strip().splitlines()
-    msg = text[0] if text else ""
-    if not isinstance(err, QuantizeError):
-        msg = f"{type(err).__name__}: {msg}" if msg else type(err).__name__
-    return msg[:300]
+    # Our own checks already read as a sentence; anything else keeps its exception type.
+    return str(err).strip().splitlines()[0][:300] if isinstance(err, QuantizeError) and str(err).strip() else one_line(err)
 
 
 def _from_marker(folder: Path, spec: VariantSpec) -> VariantArtifact | None:
@@ -216,7 +214,7 @@ def build_variant(
         error = None if bad is None else f"saved weights contain NaN/Inf in {bad}"
     except Exception as e:  # any failure of this one build is recorded, not raised
         log.warning("variant %s (%s) failed", spec.name, uid, exc_info=True)
-        error = _one_line(e)
+        error = _build_error(e)
     if error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
         return replace(

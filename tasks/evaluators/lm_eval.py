@@ -25,6 +25,7 @@ import yaml
 
 from quantgate.catalog.schema import LOCAL_TASKS_DIR, SuiteSpec
 from quantgate.tasks.records import MetricResult, QualityReport, SampleResult
+from quantgate.tasks.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ def _run(request: dict) -> dict:
         try:
             loaded = manager.load(task.name)
         except Exception as e:
-            raise EvaluationError(f"task {task.name!r} could not be loaded: {_one_line(e)}") from None
+            raise EvaluationError(f"task {task.name!r} could not be loaded: {one_line(e)}") from None
         groups = loaded.get("groups", {})
         by_limit[task.limit] += [groups[task.name]] if task.name in groups else list(loaded["tasks"].values())
 
@@ -219,7 +220,7 @@ def _run(request: dict) -> dict:
     try:
         lm = get_model(backend).create_from_arg_obj(model_args, extra)
     except Exception as e:
-        raise EvaluationError(f"could not load {request['model_path']} with lm-eval's {backend!r} backend: {_one_line(e)}") from None
+        raise EvaluationError(f"could not load {request['model_path']} with lm-eval's {backend!r} backend: {one_line(e)}") from None
 
     metrics: list[dict] = []
     samples: list[dict] = []
@@ -324,12 +325,6 @@ def _number(value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _one_line(e: BaseException) -> str:
-    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
-    return text if len(text) <= 300 else text[:300] + "…"
-
-
 def _main(request_file: str, result_file: str) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -338,7 +333,7 @@ def _main(request_file: str, result_file: str) -> None:
         out = {"error": str(e)}
     except Exception as e:
         log.exception("lm-eval failed")
-        out = {"error": _one_line(e)}
+        out = {"error": one_line(e)}
     Path(result_file).write_text(json.dumps(out))
 
 
