@@ -120,12 +120,35 @@ def sql(
 
 @app.command()
 def report(model: Annotated[Optional[str], typer.Option(help="only this model id")] = None, warehouse: WarehouseOpt = None) -> None:
-    """Print the scorecard of the latest run of each model."""
+    """Print what moved beyond noise since the previous run, then the scorecard of the latest run of each model."""
     with store.session(warehouse, read_only=True) as con:
         where, params = ("WHERE model_id = ?", [model]) if model else ("", [])
+        moved = store.rows(con, "SELECT * FROM regressions WHERE change IN ('worse', 'better', 'changed')"
+                                f" {'AND model_id = ?' if model else ''}"
+                                " ORDER BY flagged DESC, model_id, variant, kind, measure", params)
         rows = store.rows(con, f"SELECT * FROM variant_scorecard {where}", params)
-    _print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "speedup", "speedup_basis",
-                       "decision", "reason"])
+    if moved:
+        console.print("[bold]Changes beyond noise since the previous run[/bold] (worse first)")
+        _print_rows(moved, ["kind", "model_id", "variant", "measure", "previous_value", "value", "delta", "noise",
+                            "change", "basis"])
+    else:
+        console.print("No regressions: nothing moved beyond noise since the previous run.")
+    _print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "quality_lower_bound",
+                       "flip_rate", "speedup", "speedup_basis", "decision", "reason"])
+
+
+@app.command()
+def export(
+    folder: Annotated[Path, typer.Argument(help="folder to write one file per table and view into")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="parquet or csv")] = "parquet",
+    warehouse: WarehouseOpt = None,
+) -> None:
+    """Write every table and view of the warehouse to FOLDER, one Parquet or CSV file each."""
+    if fmt not in ("parquet", "csv"):
+        raise typer.BadParameter(f"unknown format {fmt!r}: use parquet or csv", param_hint="--format")
+    with store.session(warehouse, read_only=True) as con:
+        files = store.export(con, folder, fmt)
+    console.print(f"{len(files)} {fmt} files in {folder}")
 
 
 @catalog_app.command("validate")

@@ -119,12 +119,14 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path) -
     with store.session(wh) as con:
         recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
         speed = store.rows(con, "SELECT * FROM variant_speedup WHERE run_id = ?", [run_id])
+        samples = store.paired_samples(con, run_id, [(g.task, g.metric) for g in cat.policy.quality])
+        flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = ?", [run_id])
         rows = store.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
                                " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
+        of = lambda found, row: [r for r in found if r["variant_uid"] == row["variant_uid"]]  # noqa: E731
         decisions = [
-            decide_task(row, base.size_bytes,
-                        [r for r in recovery if r["variant_uid"] == row["variant_uid"]],
-                        [r for r in speed if r["variant_uid"] == row["variant_uid"]], cat.policy)
+            decide_task(row, base.size_bytes, of(recovery, row), of(speed, row), cat.policy,
+                        of(samples, row), of(flips, row))
             for row in rows
         ]
         store.record_decisions(con, run_id, decisions, cat.policy.model_dump(mode="json"))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefect import task
 
-from quantgate.catalog.schema import Policy
+from quantgate.catalog.schema import Policy, QualityGate
+from quantgate.tasks.quality_stats import QualityStatsError, RecoveryInterval, delta_interval, sample_interval
 from quantgate.tasks.records import Decision
 
 
@@ -15,8 +16,21 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _quality_checks(policy: Policy, recovery: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _interval(gate: QualityGate, row: dict[str, Any], items: Sequence[dict[str, Any]],
+              confidence: float) -> RecoveryInterval | None:
+    if items:
+        try:
+            return sample_interval(items, gate.metric, higher_is_better=gate.higher_is_better, confidence=confidence)
+        except QualityStatsError:
+            pass  # e.g. perplexity items stored without their byte counts: the reported stderrs remain
+    return delta_interval(row["base_value"], row.get("base_stderr"), row["variant_value"], row.get("variant_stderr"),
+                          higher_is_better=gate.higher_is_better, confidence=confidence)
+
+
+def _quality_checks(policy: Policy, recovery: Sequence[dict[str, Any]], samples: Sequence[dict[str, Any]],
+                    flips: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     checks = []
+    level = f"{policy.confidence * 100:g}%"
     for gate in policy.quality:
         rows = [r for r in recovery if r["task"] == gate.task and r["metric"] == gate.metric]
         rows.sort(key=lambda r: r["filter"] != "none")
@@ -25,12 +39,33 @@ def _quality_checks(policy: Policy, recovery: Sequence[dict[str, Any]]) -> list[
             checks.append({"check": name, "passed": False, "note": f"{name} not measured"})
             continue
         r = rows[0]
-        ok = r["recovery"] >= gate.min_recovery
+        key = (gate.task, gate.metric, r["filter"])
+        items = [s for s in samples if (s["task"], s["metric"], s["filter"]) == key]
+        ci = _interval(gate, r, items, policy.confidence)
+        flip = next((f for f in flips if (f["task"], f["metric"], f["filter"]) == key), None)
+        point = r["recovery"]
+        lower, upper = (ci.lower, ci.upper) if ci else (None, None)
+        bound = lower if policy.use_lower_bound else point
+        ok = bound is not None and bound >= gate.min_recovery
+        op = ">=" if ok else "<"
+        evidence = [f"variant {_fmt(r['variant_value'])} vs base {_fmt(r['base_value'])}"]
+        if not policy.use_lower_bound:
+            verdict = f"{op} {gate.min_recovery}"
+            if lower is not None and upper is not None:
+                evidence.append(f"{level} CI {_fmt(lower)}–{_fmt(upper)}")
+        elif lower is None:
+            verdict = f"without a confidence interval (no per-item results or stderr) cannot clear {gate.min_recovery}"
+        else:
+            verdict = f"({level} CI lower bound {_fmt(lower)}) {op} {gate.min_recovery}"
+        if flip:
+            evidence.append(f"{flip['flip_rate']:.1%} of {flip['n_items']} items flipped")
         checks.append({
-            "check": name, "passed": ok, "value": r["recovery"], "threshold": gate.min_recovery,
+            "check": name, "passed": ok, "value": point, "threshold": gate.min_recovery,
+            "lower": lower, "upper": upper, "confidence": policy.confidence,
+            "interval": ci.method if ci else None, "n_items": ci.n_items if ci else None,
+            "flip_rate": flip["flip_rate"] if flip else None,
             "variant_value": r["variant_value"], "base_value": r["base_value"],
-            "note": f"{name} recovery {_fmt(r['recovery'])} {'>=' if ok else '<'} {gate.min_recovery}"
-                    f" (variant {_fmt(r['variant_value'])} vs base {_fmt(r['base_value'])})",
+            "note": f"{name} recovery {_fmt(point)} {verdict} ({', '.join(evidence)})",
         })
     return checks
 
@@ -66,14 +101,18 @@ def decide(
     recovery: Sequence[dict[str, Any]],
     speed: Sequence[dict[str, Any]],
     policy: Policy,
+    samples: Sequence[dict[str, Any]] = (),
+    flips: Sequence[dict[str, Any]] = (),
 ) -> Decision:
-    """`variant` is a row of `variants`; `recovery` and `speed` are its rows of the views of the same names."""
+    """`variant` is a row of `variants`; `recovery`, `speed`, `samples` and `flips` are its rows of the views
+    `variant_recovery`, `variant_speedup`, `variant_paired_samples` and `variant_flips`."""
     uid = variant["variant_uid"]
     if variant["status"] != "built":
         return Decision(uid, "reject", f"reject: build failed: {variant['error']}",
                         [{"check": "build", "passed": False, "note": variant["error"]}],
                         policy.hash, None, None, None)
-    checks = _quality_checks(policy, recovery)
+    quality = _quality_checks(policy, recovery, samples, flips)
+    checks = list(quality)
     speed_check = _speed_check(policy, speed)
     if speed_check:
         checks.append(speed_check)
@@ -83,13 +122,18 @@ def decide(
     verdict = "reject" if failed else "accept"
     ordered = failed + [c for c in checks if c["passed"] is not False]
     reason = f"{verdict}: " + "; ".join(c["note"] for c in ordered)
-    recoveries = [c["value"] for c in checks if c["check"] not in ("size", "build") and not c["check"].startswith("speed")
-                  and "value" in c]
+
+    def worst(field: str, pick: Callable[[list[float]], float]) -> float | None:
+        values = [c[field] for c in quality if c.get(field) is not None]
+        return pick(values) if values else None
+
     return Decision(
         variant_uid=uid, decision=verdict, reason=reason, checks=checks, policy_hash=policy.hash,
-        quality_recovery=min(recoveries) if recoveries else None,
+        quality_recovery=worst("value", min),
         speedup=speed_check.get("value") if speed_check else None,
         size_ratio=next((c.get("value") for c in checks if c["check"] == "size"), None),
+        quality_lower_bound=worst("lower", min),
+        flip_rate=worst("flip_rate", max),
     )
 
 

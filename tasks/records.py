@@ -143,3 +143,6 @@ class Decision:
     quality_recovery: float | None
     speedup: float | None
     size_ratio: float | None
+    # Worst confidence-interval lower bound of recovery, and highest flip rate, over the gated metrics.
+    quality_lower_bound: float | None = None
+    flip_rate: float | None = None

@@ -9,29 +9,50 @@ POLICY = Policy.model_validate({
     "speed": {"engine": "vllm", "scenario": "thr", "min_speedup": 1.0},
     "max_size_ratio": 0.75,
 })
+ACC_POLICY = Policy.model_validate({
+    "version": 1,
+    "quality": [{"task": "qg_piqa", "metric": "acc", "min_recovery": 0.95, "higher_is_better": True}],
+    "max_size_ratio": 0.75,
+})
 VARIANT = {"variant_uid": "v", "status": "built", "error": None, "size_bytes": 30}
 
 
-def rec(value):
-    return [{"task": "ppl", "metric": "word_perplexity", "filter": "none", "recovery": value, "variant_value": 3.0 / value, "base_value": 3.0}]
+def rec(value, stderr=0.001):
+    # Lower is better: recovery = base ÷ variant.
+    return [{"task": "ppl", "metric": "word_perplexity", "filter": "none", "recovery": value,
+             "variant_value": 3.0 / value, "base_value": 3.0, "variant_stderr": stderr, "base_stderr": stderr}]
 
 
 def speed(status="ok", speedup=1.4, reason=None):
     return [{"engine": "vllm", "scenario": "thr", "status": status, "speedup": speedup, "reason": reason}]
 
 
+def piqa(base, variant):
+    """recovery row, paired per-item rows and flip row of an accuracy task from per-item 0/1 scores."""
+    b, v = sum(base) / len(base), sum(variant) / len(variant)
+    recovery = [{"task": "qg_piqa", "metric": "acc", "filter": "none", "recovery": v / b, "variant_value": v,
+                 "base_value": b, "variant_stderr": None, "base_stderr": None}]
+    samples = [{"task": "qg_piqa", "metric": "acc", "filter": "none", "doc_id": i, "base_value": x, "variant_value": y,
+                "base_weight": None, "variant_weight": None} for i, (x, y) in enumerate(zip(base, variant))]
+    flipped = sum(x != y for x, y in zip(base, variant))
+    flips = [{"task": "qg_piqa", "metric": "acc", "filter": "none", "n_items": len(base), "flip_rate": flipped / len(base)}]
+    return recovery, samples, flips
+
+
 def test_accepts_when_every_gate_passes():
     d = decide(VARIANT, 100, rec(0.98), speed(), POLICY)
     assert d.decision == "accept"
     assert d.quality_recovery == pytest.approx(0.98) and d.speedup == pytest.approx(1.4) and d.size_ratio == pytest.approx(0.3)
-    assert "ppl/word_perplexity recovery 0.98 >= 0.95" in d.reason and "speedup 1.40x >= 1.0x" in d.reason
+    assert d.quality_lower_bound is not None and 0.95 <= d.quality_lower_bound < 0.98
+    assert "ppl/word_perplexity recovery 0.98 (95% CI lower bound 0.9" in d.reason and ">= 0.95" in d.reason
+    assert "speedup 1.40x >= 1.0x" in d.reason
     assert d.policy_hash == POLICY.hash
 
 
 def test_rejects_and_names_the_failing_metric_first():
     d = decide(VARIANT, 100, rec(0.40), speed(), POLICY)
     assert d.decision == "reject"
-    assert d.reason.startswith("reject: ppl/word_perplexity recovery 0.4 < 0.95")
+    assert d.reason.startswith("reject: ppl/word_perplexity recovery 0.4 (95% CI lower bound 0.39")
 
 
 def test_unmeasured_speed_is_said_not_invented_and_size_still_counts():
@@ -48,3 +69,43 @@ def test_slower_variant_and_missing_metric_and_failed_build_are_rejected():
     assert decide(VARIANT, 100, [], speed(), POLICY).reason.startswith("reject: ppl/word_perplexity not measured")
     failed = decide(VARIANT | {"status": "failed", "error": "NaN in weights"}, 100, [], [], POLICY)
     assert (failed.decision, failed.reason) == ("reject", "reject: build failed: NaN in weights")
+
+
+def test_lower_bound_from_paired_items_accepts_only_when_it_clears_the_gate():
+    # 2,000 items, base 70% right; the variant flips 10 right answers to wrong: recovery 0.993, tight CI.
+    base = [1] * 1400 + [0] * 600
+    close = base[:]
+    for i in range(10):
+        close[i] = 0
+    recovery, samples, flips = piqa(base, close)
+    d = decide(VARIANT, 100, recovery, [], ACC_POLICY, samples, flips)
+    assert d.decision == "accept", d.reason
+    assert 0.95 < d.quality_lower_bound < d.quality_recovery < 1
+    assert d.flip_rate == pytest.approx(0.005)
+    assert d.checks[0]["interval"] == "bootstrap" and d.checks[0]["n_items"] == 2000
+
+    # 60 items: recovery 0.967 clears 0.95, but one item more or less moves it by 3%: the lower bound does not.
+    small_base = [1] * 30 + [0] * 30
+    small_var = [0] + [1] * 29 + [0] * 30
+    recovery, samples, flips = piqa(small_base, small_var)
+    d = decide(VARIANT, 100, recovery, [], ACC_POLICY, samples, flips)
+    assert recovery[0]["recovery"] == pytest.approx(29 / 30)
+    assert d.decision == "reject"
+    lb = d.quality_lower_bound
+    assert lb < 0.95
+    assert d.reason.startswith(f"reject: qg_piqa/acc recovery 0.9667 (95% CI lower bound {lb:.4g}) < 0.95"), d.reason
+    assert "1.7% of 60 items flipped" in d.reason
+
+    # The same evidence under a point-estimate policy passes, and the interval is still reported.
+    lenient = ACC_POLICY.model_copy(update={"use_lower_bound": False})
+    d = decide(VARIANT, 100, recovery, [], lenient, samples, flips)
+    assert d.decision == "accept" and "qg_piqa/acc recovery 0.9667 >= 0.95" in d.reason and "95% CI " in d.reason
+
+
+def test_without_items_the_reported_stderrs_bound_recovery_and_without_either_nothing_is_accepted():
+    loose = decide(VARIANT, 100, rec(0.98, stderr=0.2), speed(), POLICY)
+    assert loose.decision == "reject" and loose.checks[0]["interval"] == "delta"
+    assert loose.quality_lower_bound < 0.95
+    unknown = decide(VARIANT, 100, rec(0.98, stderr=None), speed(), POLICY)
+    assert unknown.decision == "reject" and unknown.quality_lower_bound is None
+    assert "recovery 0.98 without a confidence interval" in unknown.reason

@@ -302,9 +302,11 @@ def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: di
     with transaction(con):
         for d in decisions:
             con.execute(
-                "INSERT OR REPLACE INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO decisions (run_id, variant_uid, decision, reason, checks, quality_recovery,"
+                " speedup, size_ratio, policy_hash, policy, decided_at, quality_lower_bound, flip_rate)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [run_id, d.variant_uid, d.decision, d.reason, _json(d.checks), d.quality_recovery, d.speedup,
-                 d.size_ratio, d.policy_hash, _json(policy), _now()],
+                 d.size_ratio, d.policy_hash, _json(policy), _now(), d.quality_lower_bound, d.flip_rate],
             )
 
 
@@ -372,17 +374,34 @@ def record_suite_step(con, run_id: str, index: int, part: str, engine: str, buil
         )
 
 
-def export_parquet(con, folder: str | Path) -> list[Path]:
-    """Every table and view of the warehouse as one Parquet file each (views as computed now)."""
+def export(con, folder: str | Path, fmt: str = "parquet") -> list[Path]:
+    """Every table and view of the warehouse as one Parquet or CSV file each (views as computed now)."""
+    if fmt not in ("parquet", "csv"):
+        raise WarehouseError(f"unknown export format {fmt!r}: use parquet or csv")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     names = [n for (n,) in con.execute(
         "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY table_name"
     ).fetchall()]
+    options = "FORMAT parquet" if fmt == "parquet" else "FORMAT csv, HEADER true"
     files = []
     for name in names:
-        path = out / f"{name}.parquet"
+        path = out / f"{name}.{fmt}"
         target = str(path).replace("'", "''")
-        con.execute(f"COPY (SELECT * FROM \"{name}\") TO '{target}' (FORMAT parquet)")
+        con.execute(f"COPY (SELECT * FROM \"{name}\") TO '{target}' ({options})")
         files.append(path)
     return files
+
+
+def export_parquet(con, folder: str | Path) -> list[Path]:
+    return export(con, folder, "parquet")
+
+
+def paired_samples(con, run_id: str, metrics: Sequence[tuple[str, str]] = ()) -> list[dict[str, Any]]:
+    """Rows of `variant_paired_samples` of one run; only these (task, metric) pairs when any are given."""
+    where, params = "run_id = ?", [run_id]
+    if metrics:
+        where += " AND (task, metric) IN (VALUES " + ", ".join("(?, ?)" for _ in metrics) + ")"
+        params += [x for pair in metrics for x in pair]
+    return rows(con, f"SELECT * FROM variant_paired_samples WHERE {where} ORDER BY variant_uid, task, metric, filter, doc_id",
+                params)

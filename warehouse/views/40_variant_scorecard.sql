@@ -15,7 +15,7 @@ GROUP BY run_id, variant_uid;
 
 CREATE OR REPLACE VIEW variant_scorecard AS
 SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
-       v.size_bytes, d.size_ratio, d.quality_recovery,
+       v.size_bytes, d.size_ratio, d.quality_recovery, d.quality_lower_bound, d.flip_rate,
        coalesce(d.speedup, m.speedup) AS speedup,
        CASE WHEN d.speedup IS NOT NULL THEN 'gated' ELSE m.basis END AS speedup_basis,
        coalesce(d.decision, 'reject') AS decision,
