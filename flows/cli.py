@@ -119,8 +119,19 @@ def sql(
 
 
 @app.command()
-def report(model: Annotated[Optional[str], typer.Option(help="only this model id")] = None, warehouse: WarehouseOpt = None) -> None:
+def report(
+    model: Annotated[Optional[str], typer.Option(help="only this model id")] = None,
+    warehouse: WarehouseOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write a self-contained HTML report here instead")] = None,
+) -> None:
     """Print what moved beyond noise since the previous run, then the scorecard of the latest run of each model."""
+    if out:
+        from quantgate.warehouse import report as html_report
+
+        with store.session(warehouse, read_only=True) as con:
+            path = html_report.write(con, out, model)
+        console.print(f"report: {path}")
+        return
     with store.session(warehouse, read_only=True) as con:
         where, params = ("WHERE model_id = ?", [model]) if model else ("", [])
         moved = store.rows(con, "SELECT * FROM regressions WHERE change IN ('worse', 'better', 'changed')"
@@ -133,7 +144,7 @@ def report(model: Annotated[Optional[str], typer.Option(help="only this model id
                             "change", "basis"])
     else:
         console.print("No regressions: nothing moved beyond noise since the previous run.")
-    _print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "quality_lower_bound",
+    _print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "quality_lower_bound", "kl",
                        "flip_rate", "speedup", "speedup_basis", "decision", "reason"])
 
 

@@ -14,6 +14,7 @@ from prefect.states import Failed, State
 from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog
 from quantgate.tasks.benchmark import benchmark_task
 from quantgate.tasks.decide import decide_task
+from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_report_task
 from quantgate.tasks.download import DownloadError, download_task
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import CalibrationError, base_variant, build_variant_task, lib_versions
@@ -22,7 +23,7 @@ from quantgate.warehouse import store
 from quantgate.tasks.errors import one_line
 
 
-USER_ERRORS = (CatalogError, DownloadError, CalibrationError)
+USER_ERRORS = (CatalogError, DownloadError, CalibrationError, DivergenceError)
 
 
 def work_dir(explicit: str | None = None) -> Path:
@@ -106,6 +107,17 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path) -
                                trust_remote_code=spec.trust_remote_code)
         with store.session(wh) as con:
             store.record_quality(con, run_id, v.uid, report)
+
+    # Token-level KL of each variant's next-token distribution from the base's, on the perplexity text.
+    kl_text = spec.calibration.text_file
+    kl_key = kl_eval_key(kl_text, dtype=dtype)
+    for v in [b for b in built if b.ok]:
+        with store.session(wh, read_only=True) as con:
+            done = store.has_quality(con, v.uid, kl_key)
+        if not done:
+            report = kl_report_task(base.path, v.path, kl_text, device=device, dtype=dtype)
+            with store.session(wh) as con:
+                store.record_quality(con, run_id, v.uid, report, link=False)
 
     for v in [base, *[b for b in built if b.ok]]:
         results = [

@@ -237,12 +237,18 @@ def link_quality(con, run_id: str, variant_uid: str, eval_key: str) -> None:
         )
 
 
-def record_quality(con, run_id: str, variant_uid: str, report: QualityReport) -> None:
-    """Store one evaluation with all its metrics and samples in one transaction, replacing a failed one."""
+def record_quality(con, run_id: str, variant_uid: str, report: QualityReport, link: bool = True) -> None:
+    """Store one evaluation with all its metrics and samples in one transaction, replacing a failed one.
+
+    `link` makes it the run's evaluation of the variant (the suite); side measurements such as the
+    KL divergence are stored without moving that link.
+    """
     with transaction(con):
-        con.execute(
-            "UPDATE run_variants SET eval_key = ? WHERE run_id = ? AND variant_uid = ?", [report.eval_key, run_id, variant_uid]
-        )
+        if link:
+            con.execute(
+                "UPDATE run_variants SET eval_key = ? WHERE run_id = ? AND variant_uid = ?",
+                [report.eval_key, run_id, variant_uid],
+            )
         if has_quality(con, variant_uid, report.eval_key):
             return
         for table in ("quality_evals", "quality_results", "quality_samples"):

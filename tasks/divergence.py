@@ -1,0 +1,140 @@
+"""Token-level KL divergence of a variant's next-token distributions from its base's, on a plain text.
+
+Both models see the same windows of tokens (the base's tokenizer, each window led by BOS when the
+tokenizer has one); every position of every window is scored with KL(P_base || P_variant) in float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from prefect import task
+
+from quantgate.tasks.errors import one_line
+from quantgate.tasks.records import MetricResult, QualityReport, SampleResult
+
+TASK, METRIC, VERSION = "kl_divergence", "mean_token_kl", "1"
+EVALUATOR = "quantgate-kl"
+
+
+class DivergenceError(RuntimeError):
+    """Unusable input for a KL run (unreadable or too short text, mismatched vocabularies); one line."""
+
+
+def kl_eval_key(text_file: str, seq_len: int = 256, max_tokens: int = 4096, dtype: str = "float32") -> str:
+    """'kl:' + 16 hex chars over the text's content and the windowing; the variant uid already names the base."""
+    try:
+        digest = hashlib.sha256(Path(text_file).read_bytes()).hexdigest()
+    except OSError as e:
+        raise DivergenceError(f"KL text {text_file}: cannot read ({e.strerror or e})") from None
+    key = {"text": digest, "seq_len": seq_len, "max_tokens": max_tokens, "dtype": dtype, "version": VERSION}
+    return "kl:" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _windows(base_path: str, text_file: str, seq_len: int, max_tokens: int) -> list[torch.Tensor]:
+    from transformers import AutoTokenizer
+
+    if seq_len < 2 or max_tokens < 1:
+        raise DivergenceError(f"KL windows: seq_len must be >= 2 and max_tokens >= 1 (got {seq_len}, {max_tokens})")
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise DivergenceError(f"KL text {text_file}: cannot read ({e.strerror or e})") from None
+    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    # A token rarely spans more than 16 characters: cut a corpus-sized file before tokenizing it.
+    ids = tokenizer(text[: 16 * max_tokens], add_special_tokens=False, verbose=False).input_ids[:max_tokens]
+    if not ids:
+        raise DivergenceError(f"KL text {text_file}: no tokens")
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    step = seq_len - len(bos)
+    return [torch.tensor([bos + ids[i : i + step]]) for i in range(0, len(ids), step)]
+
+
+def _load(path: str, device: str, dtype: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def kl_divergence(
+    base_path: str,
+    variant_path: str,
+    text_file: str,
+    *,
+    seq_len: int = 256,
+    max_tokens: int = 4096,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> tuple[MetricResult, list[SampleResult]]:
+    """Mean over scored positions of KL(P_base || P_variant), and one sample per window (doc_id = window index).
+
+    stderr is over the per-window means: positions in one window are correlated, windows far less so.
+    Both models stay loaded and the windows go one at a time, so memory is two models plus one
+    window's logits (seq_len x vocab), whatever max_tokens is.
+    """
+    windows = _windows(base_path, text_file, seq_len, max_tokens)
+    base, variant = _load(base_path, device, dtype), _load(variant_path, device, dtype)
+    samples: list[SampleResult] = []
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for i, ids in enumerate(windows):
+            ids = ids.to(device)
+            log_p = torch.log_softmax(base(ids).logits[0].float(), dim=-1)
+            log_q = torch.log_softmax(variant(ids).logits[0].float(), dim=-1)
+            if log_p.shape != log_q.shape:
+                raise DivergenceError(
+                    f"KL: vocabularies differ (base {log_p.shape[-1]}, variant {log_q.shape[-1]} logits)"
+                )
+            # kl_div(input=log Q, target=log P) sums P * (log P - log Q): KL(P_base || P_variant).
+            kl = torch.nn.functional.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+            total += kl.sum().item()
+            count += kl.numel()
+            detail = {
+                "tokens": kl.numel(),
+                "max_kl": kl.max().item(),
+                "top1_agreement": (log_p.argmax(-1) == log_q.argmax(-1)).float().mean().item(),
+            }
+            samples.append(SampleResult(task=TASK, doc_id=i, metric=METRIC, value=kl.mean().item(), detail=detail))
+    means = [s.value for s in samples]
+    stderr = None
+    if len(means) > 1:
+        mean = sum(means) / len(means)
+        stderr = math.sqrt(sum((m - mean) ** 2 for m in means) / (len(means) - 1) / len(means))
+    metric = MetricResult(
+        task=TASK, metric=METRIC, filter="none", value=total / count, stderr=stderr, n_samples=count,
+        task_version=VERSION, higher_is_better=False,
+    )  # fmt: skip
+    return metric, samples
+
+
+def kl_report(
+    base_path: str,
+    variant_path: str,
+    text_file: str,
+    *,
+    seq_len: int = 256,
+    max_tokens: int = 4096,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> QualityReport:
+    """kl_divergence as a QualityReport for `store.record_quality`; a failure comes back as status "failed"."""
+    config = {"base": base_path, "text_file": text_file, "seq_len": seq_len, "max_tokens": max_tokens,
+              "device": device, "dtype": dtype}  # fmt: skip
+    key = kl_eval_key(text_file, seq_len, max_tokens, dtype)
+    start = time.perf_counter()
+    try:
+        metric, samples = kl_divergence(base_path, variant_path, text_file, seq_len=seq_len, max_tokens=max_tokens,
+                                        device=device, dtype=dtype)  # fmt: skip
+    except Exception as e:
+        error = str(e) if isinstance(e, DivergenceError) else one_line(e)
+        return QualityReport(key, EVALUATOR, config, [], [], time.perf_counter() - start, "failed", error)
+    return QualityReport(key, EVALUATOR, config, [metric], samples, time.perf_counter() - start)
+
+
+kl_task = task(kl_divergence, name="kl-divergence")
+kl_report_task = task(kl_report, name="kl-divergence-report")
