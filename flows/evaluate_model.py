@@ -16,11 +16,11 @@ from quantgate.tasks.benchmark import benchmark_task
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_report_task
 from quantgate.tasks.download import DownloadError, download_task
+from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import CalibrationError, base_variant, build_variant_task, lib_versions
 from quantgate.tasks.records import ModelArtifact, VariantArtifact
 from quantgate.warehouse import store
-from quantgate.tasks.errors import one_line
 
 
 USER_ERRORS = (CatalogError, DownloadError, CalibrationError, DivergenceError)

@@ -33,10 +33,10 @@ from quantgate.catalog.schema import CATALOG_DIR, GpuSuiteSpec, ScenarioSpec, Su
 from quantgate.tasks import engines
 from quantgate.tasks.benchmark import engine_options, resolve_device, run_scenarios
 from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
+from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
 from quantgate.tasks.serving import Slo, bench_scenario, serve_scenario
 from quantgate.warehouse import store
-from quantgate.tasks.errors import one_line
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
 FLOW_NAME = "gpu-suite"

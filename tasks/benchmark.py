@@ -26,6 +26,7 @@ from prefect import task
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks import engines
 from quantgate.tasks.engines import Engine, EngineOptions, RequestTiming
+from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.roofline import (
     RooflineError,
@@ -36,7 +37,6 @@ from quantgate.tasks.roofline import (
     roofline_fraction,
 )
 from quantgate.tasks.telemetry import Telemetry, device_name, measure_bandwidth_gbps
-from quantgate.tasks.errors import one_line
 
 
 class BenchmarkError(RuntimeError):

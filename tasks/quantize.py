@@ -26,8 +26,8 @@ from prefect import task
 from safetensors import safe_open
 
 from quantgate.catalog.schema import CalibrationSpec, VariantSpec
-from quantgate.tasks.records import ModelArtifact, VariantArtifact
 from quantgate.tasks.errors import one_line
+from quantgate.tasks.records import ModelArtifact, VariantArtifact
 
 log = logging.getLogger(__name__)
 

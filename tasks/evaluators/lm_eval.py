@@ -24,8 +24,8 @@ from typing import Any, Literal
 import yaml
 
 from quantgate.catalog.schema import LOCAL_TASKS_DIR, SuiteSpec
-from quantgate.tasks.records import MetricResult, QualityReport, SampleResult
 from quantgate.tasks.errors import one_line
+from quantgate.tasks.records import MetricResult, QualityReport, SampleResult
 
 log = logging.getLogger(__name__)
 
