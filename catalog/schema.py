@@ -332,6 +332,8 @@ class ModelSpec(Strict):
     scenarios: tuple[str, ...] = ()
     calibration: CalibrationSpec = CalibrationSpec()
     trust_remote_code: bool = False
+    # A model's own acceptance policy (a file beside the catalog), e.g. to leave out a task it is at chance on.
+    policy: Policy | None = None
 
 
 class QualityGate(Strict):
@@ -361,6 +363,9 @@ class Policy(Strict):
     @property
     def hash(self) -> str:
         return _hash(self.model_dump(mode="json"))
+
+
+ModelSpec.model_rebuild()
 
 
 class Catalog(Strict):
@@ -437,6 +442,9 @@ def load_catalog(path: str | Path = DEFAULT_CATALOG) -> Catalog:
         raise CatalogError(f"{path}: (top level): expected a mapping with keys version, variants, suites, models, policy")
     if isinstance(raw.get("policy"), str):
         raw["policy"] = _load_yaml_mapping(path.parent / raw["policy"])
+    for m in raw.get("models") or []:
+        if isinstance(m, dict) and isinstance(m.get("policy"), str):
+            m["policy"] = _load_yaml_mapping(path.parent / m["policy"])
     try:
         catalog = Catalog.model_validate(raw)
     except ValidationError as e:

@@ -7,7 +7,7 @@ import platform
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
@@ -131,17 +131,18 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path) -
     with store.session(wh) as con:
         recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
         speed = store.rows(con, "SELECT * FROM variant_speedup WHERE run_id = ?", [run_id])
-        samples = store.paired_samples(con, run_id, [(g.task, g.metric) for g in cat.policy.quality])
+        policy = spec.policy or cat.policy
+        samples = store.paired_samples(con, run_id, [(g.task, g.metric) for g in policy.quality])
         flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = ?", [run_id])
         rows = store.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
                                " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
         of = lambda found, row: [r for r in found if r["variant_uid"] == row["variant_uid"]]  # noqa: E731
         decisions = [
-            decide_task(row, base.size_bytes, of(recovery, row), of(speed, row), cat.policy,
+            decide_task(row, base.size_bytes, of(recovery, row), of(speed, row), policy,
                         of(samples, row), of(flips, row))
             for row in rows
         ]
-        store.record_decisions(con, run_id, decisions, cat.policy.model_dump(mode="json"))
+        store.record_decisions(con, run_id, decisions, policy.model_dump(mode="json"))
     for d in decisions:
         log.info("%s", d.reason)
 
@@ -158,10 +159,16 @@ def _eval_setup() -> tuple[str, str, str]:
 
 
 def _publish(model_id: str, card: list[dict]) -> None:
-    lines = [f"# {model_id}", "", "| variant | decision | recovery | speedup | size ratio | reason |", "|---|---|---|---|---|---|"]
+    """The run's scorecard as Prefect artifacts: a markdown card and a table of decisions."""
+    fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = [f"# {model_id}", "", "| variant | decision | recovery | 95% CI low | KL | speedup | size ratio | reason |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in card:
-        fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
-        lines.append(f"| {r['variant']} | {r['decision']} | {fmt(r['quality_recovery'])} | {fmt(r['speedup'])}"
-                     f" | {fmt(r['size_ratio'])} | {r['reason']} |")
-    key = "scorecard-" + "".join(c if c.isalnum() else "-" for c in model_id.lower())
-    create_markdown_artifact("\n".join(lines), key=key[:100], description=f"quantgate scorecard for {model_id}")
+        lines.append(f"| {r['variant']} | {r['decision']} | {fmt(r['quality_recovery'])} | {fmt(r['quality_lower_bound'])}"
+                     f" | {fmt(r['kl'])} | {fmt(r['speedup'])} | {fmt(r['size_ratio'])} | {r['reason']} |")
+    key = "".join(c if c.isalnum() else "-" for c in model_id.lower())[:80]
+    create_markdown_artifact("\n".join(lines), key=f"scorecard-{key}", description=f"quantgate scorecard for {model_id}")
+    columns = ("variant", "method", "bits", "decision", "quality_recovery", "quality_lower_bound", "flip_rate", "kl",
+               "speedup", "size_ratio", "reason")
+    create_table_artifact([{c: r[c] for c in columns} for r in card], key=f"decisions-{key}",
+                          description=f"quantgate decisions for {model_id}")

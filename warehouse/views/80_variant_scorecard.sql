@@ -13,9 +13,13 @@ SELECT run_id, variant_uid,
 FROM variant_speedup WHERE speedup IS NOT NULL
 GROUP BY run_id, variant_uid;
 
+-- The worst flip rate over every 0/1-scored task, gated or not.
+CREATE OR REPLACE VIEW variant_worst_flip AS
+SELECT run_id, variant_uid, max(flip_rate) AS flip_rate FROM variant_flips GROUP BY run_id, variant_uid;
+
 CREATE OR REPLACE VIEW variant_scorecard AS
 SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
-       v.size_bytes, d.size_ratio, d.quality_recovery, d.quality_lower_bound, d.flip_rate,
+       v.size_bytes, d.size_ratio, d.quality_recovery, d.quality_lower_bound, coalesce(d.flip_rate, f.flip_rate) AS flip_rate,
        k.kl, k.kl_stderr,
        coalesce(d.speedup, m.speedup) AS speedup,
        CASE WHEN d.speedup IS NOT NULL THEN 'gated' ELSE m.basis END AS speedup_basis,
@@ -26,6 +30,7 @@ FROM latest_runs r
 JOIN run_variants rv ON rv.run_id = r.run_id AND rv.role = 'variant'
 JOIN variants v ON v.variant_uid = rv.variant_uid
 LEFT JOIN decisions d ON d.run_id = r.run_id AND d.variant_uid = rv.variant_uid
+LEFT JOIN variant_worst_flip f ON f.run_id = r.run_id AND f.variant_uid = rv.variant_uid
 LEFT JOIN variant_kl k ON k.run_id = r.run_id AND k.variant_uid = rv.variant_uid
 LEFT JOIN measured_speedup m ON m.run_id = r.run_id AND m.variant_uid = rv.variant_uid
 ORDER BY r.model_id, v.name;
