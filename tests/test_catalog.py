@@ -13,7 +13,13 @@ def _write(tmp_path: Path, data: dict) -> Path:
 
 
 def _base() -> dict:
-    return yaml.safe_load(DEFAULT_CATALOG.read_text()) | {"policy": yaml.safe_load((DEFAULT_CATALOG.parent / "policy.yaml").read_text())}
+    """The packaged catalog with its policy files inlined, so a copy validates anywhere."""
+    data = yaml.safe_load(DEFAULT_CATALOG.read_text())
+    data["policy"] = yaml.safe_load((DEFAULT_CATALOG.parent / data["policy"]).read_text())
+    for m in data["models"]:
+        if isinstance(m.get("policy"), str):
+            m["policy"] = yaml.safe_load((DEFAULT_CATALOG.parent / m["policy"]).read_text())
+    return data
 
 
 def test_default_catalog_loads_and_resolves_paths():
@@ -24,6 +30,8 @@ def test_default_catalog_loads_and_resolves_paths():
     assert Path(tiny.calibration.text_file).name == "simple_stories.txt"
     assert cat.variants["awq-w4a16-g32"].bits == 4 and cat.variants["rtn-w2a16-g32"].bits == 2
     assert len(cat.policy.hash) == 64
+    assert [g.metric for g in tiny.policy.quality] == ["bits_per_byte"]  # its own policy file
+    assert cat.model("smollm2-135m").policy is None  # the catalog's policy applies
 
 
 @pytest.mark.parametrize(
@@ -49,6 +57,13 @@ def test_bad_catalog_is_one_line_naming_file_and_key(tmp_path, mutate, expected)
     assert "\n" not in msg
     assert msg.startswith(str(path))
     assert expected in msg
+
+
+def test_missing_model_policy_file_is_named(tmp_path):
+    data = _base()
+    data["models"][0]["policy"] = "nope.yaml"
+    with pytest.raises(CatalogError, match="nope.yaml: no such policy file"):
+        load_catalog(_write(tmp_path, data))
 
 
 def test_invalid_yaml_and_missing_file(tmp_path):
