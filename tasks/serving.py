@@ -118,6 +118,17 @@ def vllm_serve_command(
     ]
 
 
+def _spawn_session(cmd: Sequence[str], log: Path, env: dict[str, str] | None, append: bool = False) -> subprocess.Popen:
+    """Start `cmd` in its own session (so its whole group can be ended by id), output to `log`."""
+    with log.open("ab" if append else "wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            env=_environment(env), start_new_session=True,
+        )
+    _note_session(proc.pid)
+    return proc
+
+
 def start_server(
     model_path: str,
     *,
@@ -146,16 +157,7 @@ def start_server(
         raise ServingError(f"port {port} on {host} is already in use; pick another (free_port() finds one)")
     log = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-serve-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as log_file:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=_environment(env),
-            start_new_session=True,
-        )
-    _note_session(proc.pid)
+    proc = _spawn_session(cmd, log, env, append=True)
     handle = ServerHandle(
         pid=proc.pid,
         base_url=f"http://{host}:{port}",
@@ -593,24 +595,15 @@ def vllm_bench_throughput(
         str(out_json),
         *extra_args,
     ]
-    with log.open("wb") as log_file:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=_environment(env),
-            start_new_session=True,
-        )
-        _note_session(proc.pid)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+    proc = _spawn_session(cmd, log, env)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _end_group(proc, grace_s=10)
+        raise ServingError(f"vllm bench throughput ran past {timeout_s:.0f}s (log {log})") from None
+    finally:
+        if _group_alive(proc.pid):
             _end_group(proc, grace_s=10)
-            raise ServingError(f"vllm bench throughput ran past {timeout_s:.0f}s (log {log})") from None
-        finally:
-            if _group_alive(proc.pid):
-                _end_group(proc, grace_s=10)
     if proc.returncode != 0 or not out_json.exists():
         raise ServingError(f"vllm bench throughput failed (exit {proc.returncode}): {_tail(log)}")
     data = json.loads(out_json.read_text())
