@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -672,6 +672,24 @@ def vllm_cli_args(opts: EngineOptions) -> list[str]:
     return args
 
 
+def _preflight(
+    engine: str, model_path: str, scenario_name: str, scenario: ScenarioSpec, options: dict[str, Any] | None
+) -> tuple[EngineOptions, Callable[..., SpeedResult], SpeedResult | None]:
+    """Options, a result builder for `engine`'s rows, and the skipped/failed row when it cannot run at all."""
+    device = "cuda"
+    opts = engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario))
+
+    def result(status: str, reason: str | None, used: EngineOptions, **measured: Any) -> SpeedResult:
+        config = {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
+        return SpeedResult(engine, scenario_name, status, reason, config, **measured)  # type: ignore[arg-type]
+
+    if (why := engines.availability("vllm", device)) is not None:
+        return opts, result, result("skipped", why, opts)
+    if not Path(model_path).is_dir():
+        return opts, result, result("failed", f"no model folder at {model_path}", opts)
+    return opts, result, None
+
+
 def serve_scenario(
     model_path: str,
     scenario_name: str,
@@ -687,17 +705,9 @@ def serve_scenario(
     The SpeedResult sums the loads: tokens_per_s is the best load's output tokens/s, energy per token
     is over all loads; repetitions holds each load's summary. Per-request rows are in the loads.
     """
-    device = "cuda"
-    opts = engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario))
-
-    def result(status: str, reason: str | None, used: EngineOptions, **measured: Any) -> SpeedResult:
-        config = {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
-        return SpeedResult("vllm", scenario_name, status, reason, config, **measured)  # type: ignore[arg-type]
-
-    if (why := engines.availability("vllm", device)) is not None:
-        return result("skipped", why, opts), []
-    if not Path(model_path).is_dir():
-        return result("failed", f"no model folder at {model_path}", opts), []
+    opts, result, early = _preflight("vllm", model_path, scenario_name, scenario, options)
+    if early is not None:
+        return early, []
     sizes = scenario.load_sizes()
     prompts = make_prompts(scenario.model_copy(update={"num_prompts": max(n for *_, n in sizes)}), model_path)
     slo = Slo(**scenario.slo.model_dump()) if scenario.slo else None
@@ -707,7 +717,7 @@ def serve_scenario(
     for used in fallback_options(opts, "vllm", scenario.input_len + scenario.output_len):
         log = work / f"serve-{scenario_name}-{len(attempts)}.log"
         try:
-            with Telemetry(device) as telemetry:
+            with Telemetry("cuda") as telemetry:
                 server = start_server(
                     model_path,
                     port=free_port(),
@@ -813,17 +823,9 @@ def bench_scenario(
     """`vllm bench throughput` on an offline scenario's config (same model, lengths, prompt count,
     engine flags, warm-up of one full pass), as a SpeedResult of engine "vllm-bench": tokens_per_s is
     its output tokens/s and total_tokens_per_s its (prompt + output) tokens/s, like ours."""
-    device = "cuda"
-    opts = engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario))
-
-    def result(status: str, reason: str | None, used: EngineOptions, **measured: Any) -> SpeedResult:
-        config = {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
-        return SpeedResult("vllm-bench", scenario_name, status, reason, config, **measured)  # type: ignore[arg-type]
-
-    if (why := engines.availability("vllm", device)) is not None:
-        return result("skipped", why, opts)
-    if not Path(model_path).is_dir():
-        return result("failed", f"no model folder at {model_path}", opts)
+    opts, result, early = _preflight("vllm-bench", model_path, scenario_name, scenario, options)
+    if early is not None:
+        return early
     deadline = time.monotonic() + timeout_s
     attempts: list[dict[str, Any]] = []
     for used in fallback_options(opts, "vllm", scenario.input_len + scenario.output_len):
