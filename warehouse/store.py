@@ -17,6 +17,7 @@ import duckdb
 
 from quantgate.tasks.records import (
     Decision,
+    MetricResult,
     ModelArtifact,
     QualityReport,
     SpeedResult,
@@ -31,6 +32,9 @@ MIGRATIONS = HERE / "migrations"
 VIEWS = HERE / "views"
 ENV_VAR = "QUANTGATE_WAREHOUSE"
 DEFAULT_PATH = "quantgate.duckdb"
+# How long a writer waits for another writer's lock before giving up with a one-line error.
+LOCK_WAIT_ENV = "QUANTGATE_LOCK_WAIT_S"
+DEFAULT_LOCK_WAIT_S = 60.0
 
 
 class WarehouseError(RuntimeError):
@@ -57,9 +61,22 @@ def _checksum(sql: str) -> str:
     return hashlib.sha256(sql.encode()).hexdigest()
 
 
-def connect(path: str | Path | None = None, read_only: bool = False, wait_s: float = 60.0) -> duckdb.DuckDBPyConnection:
-    """Open the warehouse; migrate it when writable. Waits for another writer's lock up to `wait_s`."""
+def _lock_wait_s() -> float:
+    raw = os.environ.get(LOCK_WAIT_ENV)
+    try:
+        return float(raw) if raw else DEFAULT_LOCK_WAIT_S
+    except ValueError:
+        raise WarehouseError(f"{LOCK_WAIT_ENV}={raw!r}: expected a number of seconds") from None
+
+
+def connect(path: str | Path | None = None, read_only: bool = False, wait_s: float | None = None,
+            sandbox: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open the warehouse; migrate it when writable. Waits for another writer's lock up to `wait_s`
+    (default $QUANTGATE_LOCK_WAIT_S or 60 s). `sandbox` (read-only only) also shuts SQL off from the file
+    system: no COPY TO, ATTACH, read_csv or extension loading, so a query can neither write nor read files."""
     path = Path(path) if path else default_path()
+    wait_s = _lock_wait_s() if wait_s is None else wait_s
+    config = {"enable_external_access": False} if sandbox and read_only else {}
     if read_only and not path.exists():
         raise WarehouseError(f"{path}: no such warehouse (run `quantgate demo` or `quantgate run` first)")
     if not read_only:
@@ -68,7 +85,7 @@ def connect(path: str | Path | None = None, read_only: bool = False, wait_s: flo
     announced = False
     while True:
         try:
-            con = duckdb.connect(str(path), read_only=read_only)
+            con = duckdb.connect(str(path), read_only=read_only, config=config)
             break
         except duckdb.IOException as e:
             text = str(e)
@@ -137,23 +154,34 @@ def apply_views(con: duckdb.DuckDBPyConnection) -> None:
 
 
 @contextmanager
-def session(path: str | Path | None = None, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+def session(path: str | Path | None = None, read_only: bool = False,
+            sandbox: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
     """A short-lived connection: DuckDB admits one writing process, so writers never hold the file between steps."""
-    con = connect(path, read_only=read_only)
+    con = connect(path, read_only=read_only, sandbox=sandbox)
     try:
         yield con
     finally:
         con.close()
 
 
+_open_transactions: set[int] = set()
+
+
 @contextmanager
 def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConnection]:
+    """One transaction; nested uses join the outer one, so several writes commit (or vanish) together."""
+    if id(con) in _open_transactions:
+        yield con
+        return
     con.execute("BEGIN TRANSACTION")
+    _open_transactions.add(id(con))
     try:
         yield con
     except BaseException:
+        _open_transactions.discard(id(con))
         con.execute("ROLLBACK")
         raise
+    _open_transactions.discard(id(con))
     con.execute("COMMIT")
 
 
@@ -175,12 +203,126 @@ def start_run(con, run_id: str, flow_name: str, model_id: str | None, catalog_pa
         )
 
 
-def finish_run(con, run_id: str, error: str | None = None) -> None:
+def finish_run(con, run_id: str, error: str | None = None, attempt_id: str | None = None) -> None:
+    status = "failed" if error else "completed"
     with transaction(con):
-        con.execute(
-            "UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE run_id = ?",
-            ["failed" if error else "completed", error, _now(), run_id],
-        )
+        con.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE run_id = ?",
+                    [status, error, _now(), run_id])
+        if attempt_id:
+            con.execute("UPDATE run_attempts SET status = ?, error = ?, finished_at = ? WHERE attempt_id = ?",
+                        [status, error, _now(), attempt_id])
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _attempt_may_be_running(host: str | None, pid: int | None, this_host: str) -> bool:
+    """Whether a 'running' attempt may still be at work: on this host, when its process is alive; on
+    another host we cannot tell, so it may."""
+    if host != this_host:
+        return True
+    return pid != os.getpid() and _pid_alive(pid)
+
+
+def begin_run(con, attempt_id: str, flow_name: str, model_id: str, resume_key: str, catalog_path: str | None,
+              catalog_hash: str | None, host: str, versions: dict[str, str]) -> tuple[str, bool]:
+    """Start a run for this flow run, or resume an unfinished one: (run_id, resumed).
+
+    The latest run of `model_id` is resumed when it did not finish (failed, or running with no attempt
+    that may still be at work), and was asked to do the same thing (`resume_key`). Its attempts that
+    died without a word are marked abandoned. A Prefect retry of the same flow run continues its run.
+    Otherwise a new run keyed by `attempt_id` starts; unfinished runs of the model whose processes are
+    gone are then marked failed ("abandoned"), so that nothing stays 'running' forever.
+    """
+    with transaction(con):
+        mine = con.execute("SELECT run_id FROM run_attempts WHERE attempt_id = ?", [attempt_id]).fetchone()
+        if mine or con.execute("SELECT 1 FROM runs WHERE run_id = ?", [attempt_id]).fetchone():
+            run_id = mine[0] if mine else attempt_id
+            _attempt(con, attempt_id, run_id, host)
+            con.execute("UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = ?", [run_id])
+            return run_id, False
+        unfinished = rows(con, "SELECT run_id, status, resume_key FROM runs WHERE flow_name = ? AND model_id = ?"
+                               " AND status <> 'completed' ORDER BY started_at DESC", [flow_name, model_id])
+        latest = con.execute("SELECT run_id FROM runs WHERE flow_name = ? AND model_id = ? ORDER BY started_at DESC"
+                             " LIMIT 1", [flow_name, model_id]).fetchone()
+        dead = []
+        for run in unfinished:
+            live = [a for a in rows(con, "SELECT host, pid FROM run_attempts WHERE run_id = ? AND status = 'running'",
+                                    [run["run_id"]]) if _attempt_may_be_running(a["host"], a["pid"], host)]
+            legacy = run["status"] == "running" and not con.execute(
+                "SELECT 1 FROM run_attempts WHERE run_id = ?", [run["run_id"]]).fetchone()
+            if not live and not legacy:
+                dead.append(run)
+        for run in dead:
+            con.execute("UPDATE run_attempts SET status = 'abandoned', finished_at = ?,"
+                        " error = 'its process ended without finishing' WHERE run_id = ? AND status = 'running'",
+                        [_now(), run["run_id"]])
+        resumable = next((r for r in dead if latest and r["run_id"] == latest[0] and r["resume_key"] == resume_key), None)
+        if resumable:
+            run_id = resumable["run_id"]
+            con.execute("UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = ?", [run_id])
+            _attempt(con, attempt_id, run_id, host)
+            return run_id, True
+        for run in dead:
+            if run["status"] == "running":
+                con.execute("UPDATE runs SET status = 'failed', finished_at = ?, error = ? WHERE run_id = ?",
+                            [_now(), f"abandoned: its process ended without finishing; not resumed by {attempt_id}",
+                             run["run_id"]])
+        start_run(con, attempt_id, flow_name, model_id, catalog_path, catalog_hash, host, versions)
+        con.execute("UPDATE runs SET resume_key = ? WHERE run_id = ?", [resume_key, attempt_id])
+        _attempt(con, attempt_id, attempt_id, host)
+        return attempt_id, False
+
+
+def _attempt(con, attempt_id: str, run_id: str, host: str) -> None:
+    con.execute(
+        "INSERT INTO run_attempts (attempt_id, run_id, host, pid, started_at, status) VALUES (?, ?, ?, ?, ?, 'running')"
+        " ON CONFLICT (attempt_id) DO UPDATE SET pid = excluded.pid, status = 'running', error = NULL, finished_at = NULL",
+        [attempt_id, run_id, host, os.getpid(), _now()],
+    )
+
+
+def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, attempt_id: str) -> None:
+    """Mark a stage of a run complete; call it inside the transaction that writes the stage's rows."""
+    con.execute(
+        "INSERT INTO run_stages VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, stage, item) DO UPDATE SET"
+        " detail = excluded.detail, attempt_id = excluded.attempt_id, completed_at = excluded.completed_at",
+        [run_id, stage, item, detail, attempt_id, _now()],
+    )
+
+
+def completed_stages(con, run_id: str) -> dict[tuple[str, str], str | None]:
+    """{(stage, item): detail} of the stages of a run marked complete."""
+    found = con.execute("SELECT stage, item, detail FROM run_stages WHERE run_id = ?", [run_id]).fetchall()
+    return {(stage, item): detail for stage, item, detail in found}
+
+
+def model_of(con, model_uid: str) -> ModelArtifact | None:
+    row = con.execute("SELECT model_id, path, source, revision, sha, architecture, num_parameters, size_bytes"
+                      " FROM models WHERE model_uid = ?", [model_uid]).fetchone()
+    return None if row is None else ModelArtifact(*row)
+
+
+def run_variant(con, run_id: str, variant_uid: str) -> dict[str, Any] | None:
+    """A variant's row as a run recorded it (any status), with that run's `reused` flag."""
+    found = rows(con, "SELECT v.*, rv.reused FROM variants v JOIN run_variants rv USING (variant_uid)"
+                      " WHERE rv.run_id = ? AND v.variant_uid = ?", [run_id, variant_uid])
+    return found[0] if found else None
+
+
+def fail_variant(con, variant_uid: str, error: str) -> None:
+    """A built variant that turned out unusable (e.g. NaN/Inf outputs): failed, with the reason."""
+    with transaction(con):
+        con.execute("UPDATE variants SET status = 'failed', error = ? WHERE variant_uid = ?", [error, variant_uid])
 
 
 def record_model(con, run_id: str, model: ModelArtifact) -> None:
@@ -228,6 +370,12 @@ def has_quality(con, variant_uid: str, eval_key: str) -> bool:
         "SELECT 1 FROM quality_evals WHERE variant_uid = ? AND eval_key = ? AND status = 'ok'", [variant_uid, eval_key]
     ).fetchone()
     return row is not None
+
+
+def quality_metrics(con, variant_uid: str, eval_key: str) -> list[MetricResult]:
+    found = con.execute("SELECT task, metric, filter, value, stderr, n_samples, task_version, higher_is_better"
+                        " FROM quality_results WHERE variant_uid = ? AND eval_key = ?", [variant_uid, eval_key]).fetchall()
+    return [MetricResult(*r) for r in found]
 
 
 def link_quality(con, run_id: str, variant_uid: str, eval_key: str) -> None:
