@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -12,18 +18,23 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog
+from quantgate.tasks import faults
 from quantgate.tasks.benchmark import benchmark_task
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_report_task
 from quantgate.tasks.download import DownloadError, download_task
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
-from quantgate.tasks.quantize import CalibrationError, base_variant, build_variant_task, lib_versions
-from quantgate.tasks.records import ModelArtifact, VariantArtifact
+from quantgate.tasks.quantize import CalibrationError, base_variant, build_variant_task, lib_versions, variant_from_row
+from quantgate.tasks.records import MetricResult, ModelArtifact, VariantArtifact
 from quantgate.warehouse import store
 
 
-USER_ERRORS = (CatalogError, DownloadError, CalibrationError, DivergenceError)
+class ModelOutputError(RuntimeError):
+    """A base model whose outputs are not finite: nothing can be judged against it; the message is one line."""
+
+
+USER_ERRORS = (ModelOutputError, CatalogError, DownloadError, CalibrationError, DivergenceError, store.WarehouseError)
 
 
 def work_dir(explicit: str | None = None) -> Path:
@@ -35,6 +46,34 @@ def _run_name() -> str:
     return f"evaluate {params['model']}" + (f" [{','.join(params['variants'])}]" if params.get("variants") else "")
 
 
+def resume_key(cat: Catalog, spec: ModelSpec) -> str:
+    """What a run was asked to do: the catalog and the model's resolved spec. A rerun with the same key
+    resumes an unfinished run; any change starts a fresh one."""
+    key = {"catalog": cat.hash, "model": spec.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+class _Run:
+    """The warehouse run a flow run works on, and which of its stages are already complete."""
+
+    def __init__(self, wh: str, run_id: str, attempt_id: str) -> None:
+        self.wh, self.run_id, self.attempt_id = wh, run_id, attempt_id
+        with store.session(wh, read_only=True) as con:
+            self.done = store.completed_stages(con, run_id)
+
+    def is_done(self, stage: str, item: str = "") -> bool:
+        return (stage, item) in self.done
+
+    @contextmanager
+    def stage(self, stage: str, item: str = "", detail: str | None = None) -> Iterator[Any]:
+        """One transaction for a stage's rows and its completion mark: after a crash both are there or neither."""
+        with store.session(self.wh) as con, store.transaction(con):
+            yield con
+            store.mark_stage(con, self.run_id, stage, item, detail, self.attempt_id)
+            faults.point(f"write:{stage}")
+        self.done[(stage, item)] = detail
+
+
 @flow(name="evaluate-model", flow_run_name=_run_name)
 def evaluate_model(
     model: str,
@@ -43,41 +82,77 @@ def evaluate_model(
     variants: list[str] | None = None,
     workdir: str | None = None,
 ) -> list[dict] | State:
-    """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for."""
+    """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for.
+
+    A rerun after a crash (the model's latest run unfinished, same catalog and spec) resumes that run:
+    stages already stored are not done again.
+    """
     cat_path = Path(catalog) if catalog else DEFAULT_CATALOG
-    cat = load_catalog(cat_path)
-    spec = adhoc_model(cat, model, variants)
-    run_id = str(flow_run.id)
+    try:
+        cat = load_catalog(cat_path)
+        spec = adhoc_model(cat, model, variants)
+    except CatalogError as e:
+        return Failed(message=str(e))
+    attempt_id = str(flow_run.id)
     wh = warehouse or str(store.default_path())
     root = work_dir(workdir)
-    with store.session(wh) as con:
-        store.start_run(con, run_id, "evaluate-model", spec.id, str(cat_path.resolve()), cat.hash,
-                        platform.node(), lib_versions())
+    log = get_run_logger()
     try:
-        _evaluate(cat, spec, run_id, wh, root)
+        with store.session(wh) as con:
+            run_id, resumed = store.begin_run(con, attempt_id, "evaluate-model", spec.id, resume_key(cat, spec),
+                                              str(cat_path.resolve()), cat.hash, platform.node(), lib_versions())
+        run = _Run(wh, run_id, attempt_id)
+    except store.WarehouseError as e:  # no warehouse to write a run row into
+        return Failed(message=str(e))
+    if resumed:
+        log.info("resuming run %s of %s: %d stage(s) already complete", run_id, spec.id, len(run.done))
+    try:
+        _evaluate(cat, spec, run, root)
     except USER_ERRORS as e:
         # Bad input: one line in the run row and in the flow's state, no traceback.
-        with store.session(wh) as con:
-            store.finish_run(con, run_id, error=str(e))
+        _finish(run, str(e))
         return Failed(message=str(e))
     except Exception as e:
-        with store.session(wh) as con:
-            store.finish_run(con, run_id, error=one_line(e))
+        _finish(run, one_line(e))
         raise
-    with store.session(wh) as con:
-        store.finish_run(con, run_id)
+    _finish(run, None)
+    with store.session(wh, read_only=True) as con:
         card = store.rows(con, "SELECT * FROM variant_scorecard WHERE run_id = ?", [run_id])
     _publish(spec.id, card)
     return card
 
 
-def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path) -> None:
+def _finish(run: _Run, error: str | None) -> None:
+    try:
+        with store.session(run.wh) as con:
+            store.finish_run(con, run.run_id, error=error, attempt_id=run.attempt_id)
+    except store.WarehouseError as e:
+        if error is None:
+            raise
+        # The warehouse itself is the trouble; the run stays unfinished and the next run resumes it.
+        get_run_logger().warning("could not record the failure of run %s: %s", run.run_id, e)
+
+
+def _nonfinite(metrics: list[MetricResult]) -> str | None:
+    bad = [f"{m.task}/{m.metric} = {m.value}" for m in metrics if m.value is not None and not math.isfinite(m.value)]
+    return ", ".join(bad[:3]) or None
+
+
+def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path) -> None:
     log = get_run_logger()
-    model: ModelArtifact = download_task(spec, root / "models")
-    with store.session(wh) as con:
-        store.record_model(con, run_id, model)
-        base = base_variant(model)
-        store.record_variant(con, run_id, base, role="base")
+    run_id, wh = run.run_id, run.wh
+    model: ModelArtifact | None = None
+    if run.is_done("download"):
+        with store.session(wh, read_only=True) as con:
+            model = store.model_of(con, run.done[("download", "")] or "")
+        if model is not None and not (Path(model.path) / "config.json").is_file():
+            model = None  # the folder is gone: fetch it again
+    if model is None:
+        model = download_task(spec, root / "models")
+        with run.stage("download", "", model.uid) as con:
+            store.record_model(con, run_id, model)
+            store.record_variant(con, run_id, base_variant(model), role="base")
+    base = base_variant(model)
 
     def known(uid: str) -> dict | None:
         with store.session(wh, read_only=True) as con:
@@ -85,50 +160,84 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path) -
 
     built: list[VariantArtifact] = []
     for name in spec.variants:
-        variant = build_variant_task(model, cat.variants[name], spec.calibration, root / "variants", known)
-        log.info("%s: %s%s", name, "reused" if variant.reused else variant.status,
-                 f" ({variant.error})" if variant.error else "")
-        with store.session(wh) as con:
-            store.record_variant(con, run_id, variant, role="variant")
+        variant = None
+        if run.is_done("quantize", name):
+            with store.session(wh, read_only=True) as con:
+                row = store.run_variant(con, run_id, run.done[("quantize", name)] or "")
+            variant = variant_from_row(row, cat.variants[name]) if row else None
+        if variant is None:
+            variant = build_variant_task(model, cat.variants[name], spec.calibration, root / "variants", known)
+            log.info("%s: %s%s", name, "reused" if variant.reused else variant.status,
+                     f" ({variant.error})" if variant.error else "")
+            with run.stage("quantize", name, variant.uid) as con:
+                store.record_variant(con, run_id, variant, role="variant")
         built.append(variant)
 
     suite = cat.suites[spec.suite]
     backend, device, dtype = _eval_setup()
     key = eval_key(suite, backend, dtype)
+    usable: list[VariantArtifact] = []
     for v in [base, *[b for b in built if b.ok]]:
+        if run.is_done("evaluate", v.uid):
+            with store.session(wh, read_only=True) as con:
+                failed = con.execute("SELECT status = 'failed' FROM variants WHERE variant_uid = ?", [v.uid]).fetchone()
+            if not (failed and failed[0]):
+                usable.append(v)
+            continue
         with store.session(wh, read_only=True) as con:
             done = store.has_quality(con, v.uid, key)
         if done:
             log.info("%s: quality results for this evaluation config already stored; reused", v.name)
-            with store.session(wh) as con:
+            with store.session(wh, read_only=True) as con:
+                metrics = store.quality_metrics(con, v.uid, key)
+        else:
+            report = evaluate_task(v.path, suite, backend=backend, device=device, dtype=dtype,
+                                   trust_remote_code=spec.trust_remote_code)
+            metrics = report.metrics
+        bad = _nonfinite(metrics)
+        if bad and v is base:
+            raise ModelOutputError(f"{spec.id}: the base model's outputs are not finite ({bad})")
+        with run.stage("evaluate", v.uid) as con:
+            if done:
                 store.link_quality(con, run_id, v.uid, key)
-            continue
-        report = evaluate_task(v.path, suite, backend=backend, device=device, dtype=dtype,
-                               trust_remote_code=spec.trust_remote_code)
-        with store.session(wh) as con:
-            store.record_quality(con, run_id, v.uid, report)
+            else:
+                store.record_quality(con, run_id, v.uid, report)
+            if bad:
+                # Finite weights can still overflow: NaN/Inf outputs fail the variant, with the reason.
+                store.fail_variant(con, v.uid, f"{v.name}: outputs contain NaN/Inf ({bad})")
+        if bad:
+            log.warning("%s: outputs contain NaN/Inf (%s); marked failed", v.name, bad)
+        else:
+            usable.append(v)
+    variants_ok = [v for v in usable if v is not base]
 
     # Token-level KL of each variant's next-token distribution from the base's, on the perplexity text.
     kl_text = spec.calibration.text_file
     kl_key = kl_eval_key(kl_text, dtype=dtype)
-    for v in [b for b in built if b.ok]:
+    for v in variants_ok:
+        if run.is_done("kl", v.uid):
+            continue
         with store.session(wh, read_only=True) as con:
             done = store.has_quality(con, v.uid, kl_key)
-        if not done:
-            report = kl_report_task(base.path, v.path, kl_text, device=device, dtype=dtype)
-            with store.session(wh) as con:
+        report = None if done else kl_report_task(base.path, v.path, kl_text, device=device, dtype=dtype)
+        with run.stage("kl", v.uid) as con:
+            if report is not None:
                 store.record_quality(con, run_id, v.uid, report, link=False)
 
-    for v in [base, *[b for b in built if b.ok]]:
+    for v in [base, *variants_ok]:
+        if run.is_done("benchmark", v.uid):
+            continue
         results = [
             benchmark_task(v.path, engine, name, cat.scenarios[name])
             for name in spec.scenarios
             for engine in cat.scenarios[name].engines
         ]
-        with store.session(wh) as con:
+        with run.stage("benchmark", v.uid) as con:
             store.record_speed(con, run_id, v.uid, results)
 
-    with store.session(wh) as con:
+    if run.is_done("decide"):
+        return
+    with run.stage("decide") as con:
         recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
         speed = store.rows(con, "SELECT * FROM variant_speedup WHERE run_id = ?", [run_id])
         policy = spec.policy or cat.policy

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from prefect import task
 
 from quantgate.catalog.schema import ScenarioSpec
-from quantgate.tasks import engines
+from quantgate.tasks import engines, faults
 from quantgate.tasks.engines import Engine, EngineOptions, RequestTiming
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import SpeedResult
@@ -293,6 +293,7 @@ def run_scenarios(
             continue
         measured = {**measured, "details": {**details, **measured.get("details", {})}}
         out.append(SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured)))
+    faults.point("benchmark")
     return out
 
 

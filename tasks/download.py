@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect import task
 
 from quantgate.catalog.schema import GgufSource, HubSource, LocalSource, ModelSpec
+from quantgate.tasks import faults
 from quantgate.tasks.records import ModelArtifact
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def fetch_model(
     else:
         path, sha = _fetch_gguf(spec.id, src, cache_dir)
         revision = None
+    faults.point("download")
     return _describe(spec, src.kind, path, revision, sha)
 
 

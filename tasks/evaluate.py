@@ -8,6 +8,7 @@ import time
 from prefect import task
 
 from quantgate.catalog.schema import SuiteSpec
+from quantgate.tasks import faults
 from quantgate.tasks.evaluators import lm_eval as evaluator
 from quantgate.tasks.evaluators.lm_eval import EVALUATOR, Backend, EvaluationError
 from quantgate.tasks.records import QualityReport
@@ -33,7 +34,9 @@ def evaluate_variant(
     options = {"backend": backend, "device": device, "dtype": dtype, "trust_remote_code": trust_remote_code}
     start = time.perf_counter()
     try:
-        return evaluator.evaluate(model_path, suite, **options)
+        report = evaluator.evaluate(model_path, suite, **options)
+        faults.point("evaluate")
+        return report
     except Exception as e:
         error = str(e) if isinstance(e, EvaluationError) else f"{type(e).__name__}: {e}".splitlines()[0]
         log.warning("evaluation of %s failed: %s", model_path, error)

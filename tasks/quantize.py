@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from prefect import task
 from safetensors import safe_open
 
 from quantgate.catalog.schema import CalibrationSpec, VariantSpec
+from quantgate.tasks import faults
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import ModelArtifact, VariantArtifact
 
@@ -116,6 +118,28 @@ def _nonfinite_tensor(folder: Path) -> str | None:
     return None
 
 
+def _owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _sweep_orphans(out_root: Path, uid: str) -> None:
+    """Remove temporary build folders of `uid` left by killed processes of this host (their pid is gone);
+    a build still running elsewhere keeps its folder."""
+    host = socket.gethostname()
+    for tmp in out_root.glob(f".{uid}.*.tmp"):
+        owner = tmp.name[len(uid) + 2:].split(".", 1)[0]
+        owner_host, _, pid = owner.rpartition("-")
+        if owner_host != host or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            log.info("removing %s, left by a build that was killed", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
 def _build_error(err: BaseException) -> str:
     from quantgate.tasks.quantizers.llmcompressor import QuantizeError
 
@@ -151,6 +175,22 @@ def _from_row(row: dict[str, Any], spec: VariantSpec) -> VariantArtifact | None:
         build_seconds=row.get("build_seconds"),
         peak_memory_bytes=row.get("peak_memory_bytes"),
         reused=True,
+    )
+
+
+def variant_from_row(row: dict[str, Any], spec: VariantSpec) -> VariantArtifact | None:
+    """A run's stored variant (built or failed, `reused` as the run recorded it); None for a built
+    variant whose folder is gone (it must be built again)."""
+    if row.get("status") == "built":
+        found = _from_row(row, spec)
+        return None if found is None else replace(found, reused=bool(row.get("reused")))
+    versions = row.get("lib_versions") or {}
+    return VariantArtifact(
+        uid=row["variant_uid"], model_uid=row["model_uid"], name=spec.name, method=row["method"],
+        scheme=row.get("scheme"), bits=row.get("bits"), group_size=row.get("group_size"), path=None,
+        recipe=row.get("recipe"), recipe_hash=row.get("recipe_hash"),
+        lib_versions=json.loads(versions) if isinstance(versions, str) else dict(versions),
+        build_seconds=row.get("build_seconds"), status="failed", error=row.get("error"), reused=bool(row.get("reused")),
     )
 
 
@@ -201,7 +241,8 @@ def build_variant(
         lib_versions=versions,
     )
     out_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.", suffix=".tmp", dir=out_root))
+    _sweep_orphans(out_root, uid)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.{_owner()}.", suffix=".tmp", dir=out_root))
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -210,6 +251,7 @@ def build_variant(
         from quantgate.tasks.quantizers.llmcompressor import quantize
 
         quantize(Path(model.path), spec, texts, calib.seq_len, tmp)
+        faults.point("quantize")
         bad = _nonfinite_tensor(tmp)
         error = None if bad is None else f"saved weights contain NaN/Inf in {bad}"
     except Exception as e:  # any failure of this one build is recorded, not raised
