@@ -56,6 +56,8 @@ def run(
     cat = load_catalog(catalog or DEFAULT_CATALOG)
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
     adhoc_model(cat, model, chosen)  # an unknown model fails here, in one line, before any run starts
+    with store.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
+        pass
     card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
                           warehouse=str(warehouse) if warehouse else None, variants=chosen,
                           workdir=str(workdir) if workdir else None)
@@ -97,7 +99,8 @@ def sql(
     """Run a read-only SQL query against the warehouse and print the result."""
     import duckdb
 
-    with store.session(warehouse, read_only=True) as con:
+    # Read-only and shut off from the file system: a query can change neither the warehouse nor any file.
+    with store.session(warehouse, read_only=True, sandbox=True) as con:
         try:
             rel = con.sql(query)
         except duckdb.Error as e:
