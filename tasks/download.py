@@ -33,6 +33,8 @@ FALLBACK_WEIGHTS = "pytorch_model*.bin"
 # Waits between hub attempts; one more attempt than there are delays.
 RETRY_DELAYS: tuple[float, ...] = (2.0, 8.0)
 HASH_CACHE = "file_hashes.json"
+# Name of a Prefect Secret block holding the hub token, for workers without HF_TOKEN in their environment.
+TOKEN_SECRET_ENV = "QUANTGATE_HF_TOKEN_SECRET"
 _CHUNK = 8 << 20
 
 
@@ -105,15 +107,32 @@ def _fetch_hub(src: HubSource, hub_cache: Path | None, offline: bool) -> tuple[P
             time.sleep(delay)
 
 
+def hub_token() -> str | None:
+    """The hub token: HF_TOKEN from the environment (huggingface_hub's own lookup: None here), else the
+    Prefect Secret block named by $QUANTGATE_HF_TOKEN_SECRET. It is handed to huggingface_hub only, never
+    logged, stored or put into a message."""
+    name = os.environ.get(TOKEN_SECRET_ENV)
+    if os.environ.get("HF_TOKEN") or not name:
+        return None
+    from prefect.blocks.system import Secret
+
+    try:
+        value = Secret.load(name).get()
+    except Exception as e:  # noqa: BLE001 - a missing block or no Prefect API; the message names neither value
+        raise DownloadError(f"{TOKEN_SECRET_ENV}={name!r}: cannot load that Prefect Secret block ({type(e).__name__})") from None
+    return str(value) if value else None
+
+
 def _download(src: HubSource, hub_cache: Path | None) -> tuple[Path, str]:
     from huggingface_hub import HfApi, snapshot_download
 
-    info = HfApi().model_info(src.repo_id, revision=src.revision)
+    token = hub_token()
+    info = HfApi(token=token).model_info(src.repo_id, revision=src.revision)
     patterns = _allow_patterns(s.rfilename for s in info.siblings or [])
     # A branch revision again (not info.sha) so that huggingface_hub records refs/<revision> for offline runs.
     # Files already in the cache are skipped; an interrupted file restarts, completed ones are kept.
     folder = Path(
-        snapshot_download(src.repo_id, revision=src.revision, cache_dir=hub_cache, allow_patterns=patterns)
+        snapshot_download(src.repo_id, revision=src.revision, cache_dir=hub_cache, allow_patterns=patterns, token=token)
     )
     return folder, folder.name
 

@@ -22,3 +22,42 @@ def tiny_model() -> Path:
     if not TINY_MODEL.exists():
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
     return TINY_MODEL
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A real Prefect server (its database under PREFECT_HOME) for `quantgate` subprocesses. Without one,
+    each CLI process starts a temporary server of its own, which a SIGKILLed process would leave behind."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"prefect server did not start (exit {server.poll()})") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -1,0 +1,52 @@
+"""Helpers for tests that run `quantgate` as a real subprocess and compare warehouse contents."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+
+CLI = [sys.executable, "-m", "quantgate.flows.cli"]
+
+
+def run_cli(args: list[str], prefect_api: str | None = None, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """`quantgate ARGS` in its own session; whatever it leaves running (e.g. after a SIGKILL) is ended after."""
+    full_env = {**os.environ, **(env or {})}
+    if prefect_api:
+        full_env["PREFECT_API_URL"] = prefect_api
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def tables(path: str | Path) -> dict[str, list[tuple]]:
+    """Every base table of a DuckDB file: its rows, as text, sorted (read-only, so nothing changes)."""
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        names = [n for (n,) in con.execute("SELECT table_name FROM information_schema.tables"
+                                           " WHERE table_type = 'BASE TABLE' ORDER BY 1").fetchall()]
+        return {n: sorted(tuple(map(str, r)) for r in con.execute(f'SELECT * FROM "{n}"').fetchall()) for n in names}
+    finally:
+        con.close()
+
+
+def checksums(contents: dict[str, list[tuple]]) -> dict[str, str]:
+    return {t: hashlib.sha256(repr(rows).encode()).hexdigest() for t, rows in contents.items()}
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
