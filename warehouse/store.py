@@ -102,10 +102,14 @@ def connect(path: str | Path | None = None, read_only: bool = False, wait_s: flo
             raise WarehouseError(f"{path}: cannot open warehouse ({text.splitlines()[0]})") from None
         except duckdb.Error as e:
             raise WarehouseError(f"{path}: cannot open warehouse ({str(e).splitlines()[0]})") from None
-    if read_only:
-        _check_version(con, path)
-    else:
-        migrate(con, path)
+    try:
+        if read_only:
+            _check_version(con, path)
+        else:
+            migrate(con, path)
+    except BaseException:
+        con.close()  # a refused warehouse is not left open in this process
+        raise
     return con
 
 

@@ -1,0 +1,253 @@
+"""Every bad input gets one line (no traceback unless --debug) and leaves the warehouse as it was.
+
+A table of bad inputs, each run through the real `quantgate` entry point (in this process, so the corpus
+costs seconds; Prefect's real ephemeral API, real DuckDB). Where a run exists, the only change to the
+warehouse is that run's row (and its attempt): status failed, error = the same line. Every other table's
+checksum is unchanged; a file that is not a warehouse is not even rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from quantgate.flows import cli
+from quantgate.warehouse import store
+from tests.cli_runs import checksums, error_lines, run_cli, tables
+from tests.shared_data import TINY_MODEL
+from tests.test_download import FakeHub, online, use_endpoint  # noqa: F401 - `online` is a fixture
+from tests.test_warehouse import seed_run
+
+CATALOG = """
+version: 1
+variants:
+  rtn-w8a16: {{method: {method}, scheme: {scheme}, group_size: null}}
+suites:
+  stories: {{tasks: [{{name: qg_simple_stories, limit: 1}}]}}
+models:
+  - id: tiny
+    source: {{kind: local, path: {path}}}
+    variants: [rtn-w8a16]
+    suite: stories
+policy:
+  version: 1
+  quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.95, higher_is_better: false}}]
+"""
+
+
+def write_catalog(tmp: Path, name: str = "catalog.yaml", method: str = "rtn", scheme: str = "W8A16",
+                  path: Path = TINY_MODEL) -> Path:
+    p = tmp / name
+    p.write_text(CATALOG.format(method=method, scheme=scheme, path=path))
+    return p
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory) -> Path:
+    """A warehouse with a finished run in it: what bad input must leave alone."""
+    path = tmp_path_factory.mktemp("seed") / "w.duckdb"
+    with store.session(path) as con:
+        seed_run(con, "r1")
+    return path
+
+
+def quantgate(capfd, *args: str) -> tuple[int, str, str]:
+    """`quantgate ARGS` through its real entry point: exit code, stdout, stderr."""
+    argv = sys.argv
+    sys.argv = ["quantgate", *args]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+    finally:
+        sys.argv = argv
+    out, err = capfd.readouterr()
+    return exit_.value.code, out, err
+
+
+def assert_one_line(code: int, out: str, err: str, expected: str) -> str:
+    assert code == 1, (out, err)
+    assert "Traceback" not in out + err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert expected in lines[0], lines[0]
+    return lines[0].removeprefix("error: ")
+
+
+def not_a_model(tmp: Path) -> Path:
+    folder = tmp / "notes"
+    folder.mkdir()
+    (folder / "README.md").write_text("not a model\n")
+    return folder
+
+
+def encoder_only(tmp: Path) -> Path:
+    folder = tmp / "encoder"
+    shutil.copytree(TINY_MODEL, folder)
+    folder.chmod(0o755)
+    config = folder / "config.json"
+    config.chmod(0o644)
+    config.write_text(json.dumps({**json.loads(config.read_text()), "architectures": ["BertModel"], "model_type": "bert"}))
+    return folder
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# id, arguments (from tmp and the catalog), expected text, whether a (failed) run is recorded
+CASES = [
+    ("malformed catalog", lambda tmp, cat: ["-c", str(_write(tmp, "bad.yaml", "models: [\n  - id: x\n")), "tiny"],
+     "bad.yaml: line", False),
+    ("unknown method", lambda tmp, cat: ["-c", str(write_catalog(tmp, "m.yaml", method="hqq")), "tiny"],
+     "variants.rtn-w8a16.method: Input should be 'awq', 'gptq', 'rtn' or 'fp8'", False),
+    ("unknown scheme", lambda tmp, cat: ["-c", str(write_catalog(tmp, "s.yaml", scheme="W3A16")), "tiny"],
+     "variants.rtn-w8a16.scheme: Input should be 'W4A16'", False),
+    ("unknown variant or method", lambda tmp, cat: ["-c", str(cat), "tiny", "--variants", "hqq"],
+     "unknown variant or method 'hqq'", False),
+    ("non-existent path", lambda tmp, cat: ["-c", str(cat), str(tmp / "no-such-model")],
+     "not a catalog id (['tiny']), an existing folder, or a hub id", False),
+    ("catalog path that does not exist",
+     lambda tmp, cat: ["-c", str(write_catalog(tmp, "gone.yaml", path=tmp / "gone")), "tiny"],
+     "tiny: local model folder", True),
+    ("folder that is not a model", lambda tmp, cat: ["-c", str(cat), str(not_a_model(tmp))],
+     "is not a model folder (no config.json)", True),
+    ("unsupported architecture", lambda tmp, cat: ["-c", str(cat), str(encoder_only(tmp))],
+     "architecture BertModel is not supported", True),
+]
+
+
+def _write(tmp: Path, name: str, text: str) -> Path:
+    (tmp / name).write_text(text)
+    return tmp / name
+
+
+@pytest.mark.parametrize(("args", "expected", "makes_run"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_changes_nothing_else(args, expected, makes_run, seeded, tmp_path, capfd):
+    wh = tmp_path / "w.duckdb"
+    shutil.copy(seeded, wh)
+    before = tables(wh)
+    code, out, err = quantgate(capfd, "run", *args(tmp_path, write_catalog(tmp_path)), "-w", str(wh))
+    message = assert_one_line(code, out, err, expected)
+    after = tables(wh)
+    _unchanged_but_the_failed_run(before, after, message if makes_run else None)
+
+
+def _unchanged_but_the_failed_run(before: dict, after: dict, message: str | None) -> None:
+    new_runs = sorted(set(after["runs"]) - set(before["runs"]))
+    if message is None:
+        assert checksums(after) == checksums(before)
+        return
+    assert len(new_runs) == 1 and set(before["runs"]) <= set(after["runs"])
+    with duckdb.connect(":memory:"):
+        pass
+    run = new_runs[0]
+    assert run[5] == "failed" and run[6] == message  # status, error: the line the user saw
+    attempts = sorted(set(after["run_attempts"]) - set(before.get("run_attempts", [])))
+    assert len(attempts) == 1 and attempts[0][6] == "failed" and attempts[0][7] == message
+    rest = lambda t: {k: v for k, v in t.items() if k not in ("runs", "run_attempts")}  # noqa: E731
+    assert checksums(rest(after)) == checksums(rest(before))
+
+
+@pytest.mark.parametrize(
+    ("hub_status", "expected"),
+    [(404, "org/tiny@main: repository not found on the hub"), (None, "org/tiny@main: not in the local cache and the hub is unreachable (ConnectError")],
+    ids=["unknown hub id", "unreachable hub"],
+)
+def test_unknown_or_unreachable_hub_id(hub_status, expected, online, seeded, tmp_path, capfd, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    server = FakeHub(hub_status, "RepoNotFound") if hub_status else None
+    use_endpoint(online, server.url if server else f"http://127.0.0.1:{closed_port()}")
+    wh = tmp_path / "w.duckdb"
+    shutil.copy(seeded, wh)
+    before = tables(wh)
+    try:
+        code, out, err = quantgate(capfd, "run", "-c", str(write_catalog(tmp_path)), "org/tiny", "-w", str(wh))
+    finally:
+        if server:
+            server.close()
+    message = assert_one_line(code, out, err, expected)
+    _unchanged_but_the_failed_run(before, tables(wh), message)
+
+
+def test_a_file_that_is_not_a_warehouse_is_named_and_left_alone(tmp_path, capfd):
+    junk = tmp_path / "notes.duckdb"
+    junk.write_text("meeting notes, not a database\n" * 200)
+    digest = hashlib.sha256(junk.read_bytes()).hexdigest()
+    for args in (["run", "-c", str(write_catalog(tmp_path)), "tiny"], ["sql", "select 1"], ["report"]):
+        code, out, err = quantgate(capfd, *args, "-w", str(junk))
+        assert_one_line(code, out, err, f"{junk}: not a DuckDB warehouse")
+    assert hashlib.sha256(junk.read_bytes()).hexdigest() == digest
+
+
+def test_a_schema_newer_than_the_code_is_refused_and_left_alone(seeded, tmp_path, capfd):
+    wh = tmp_path / "w.duckdb"
+    shutil.copy(seeded, wh)
+    with duckdb.connect(str(wh)) as con:
+        con.execute("INSERT INTO schema_migrations VALUES (999, '0999_future.sql', 'x', now())")
+    before = tables(wh)
+    for args in (["run", "-c", str(write_catalog(tmp_path)), "tiny"], ["sql", "select 1"]):
+        code, out, err = quantgate(capfd, *args, "-w", str(wh))
+        assert_one_line(code, out, err, "schema version 999 is newer than this quantgate knows")
+    assert checksums(tables(wh)) == checksums(before)
+
+
+def test_debug_shows_the_traceback(tmp_path, capfd):
+    code, out, err = quantgate(capfd, "--debug", "run", "-c", str(write_catalog(tmp_path, method="hqq")), "tiny")
+    assert code == 1 and "Traceback" in err and len(error_lines(err)) == 1
+
+
+def test_sql_can_neither_write_the_warehouse_nor_touch_files(seeded, tmp_path, capfd):
+    wh = tmp_path / "w.duckdb"
+    shutil.copy(seeded, wh)
+    before = checksums(tables(wh))
+    target = tmp_path / "leak.csv"
+    for query, expected in [("delete from runs", "read-only"),
+                            (f"copy (select * from runs) to '{target}'", "file system operations are disabled"),
+                            ("select * from read_csv('/etc/hostname')", "file system operations are disabled"),
+                            (f"attach '{tmp_path / 'other.duckdb'}' as o", "file system operations are disabled")]:
+        code, out, err = quantgate(capfd, "sql", query, "-w", str(wh))
+        assert code != 0 and "Traceback" not in out + err
+        assert expected in err.lower() if expected == "read-only" else expected in err, err
+    assert not target.exists() and not (tmp_path / "other.duckdb").exists()
+    assert checksums(tables(wh)) == before
+
+
+def test_a_warehouse_locked_by_another_writer(seeded, tmp_path):
+    """Two processes: one holds the warehouse; `quantgate run` waits QUANTGATE_LOCK_WAIT_S and gives up in
+    one line; `quantgate sql` waits for a holder that lets go, then answers."""
+    wh = tmp_path / "w.duckdb"
+    shutil.copy(seeded, wh)
+    before = checksums(tables(wh))
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import duckdb, sys, time
+        con = duckdb.connect({str(wh)!r})
+        print("locked", flush=True)
+        time.sleep(float(sys.argv[1]))
+        con.close()
+    """), "8"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        refused = run_cli(["run", "-c", str(write_catalog(tmp_path)), "tiny", "-w", str(wh)],
+                          env={"QUANTGATE_LOCK_WAIT_S": "1"}, timeout=120)
+        assert refused.returncode == 1 and "Traceback" not in refused.stdout + refused.stderr
+        assert error_lines(refused.stderr) == [f"error: {wh}: locked by another writer for more than 1s"]
+        waited = run_cli(["sql", "select count(*) as n from runs", "-w", str(wh), "-f", "csv"],
+                         env={"QUANTGATE_LOCK_WAIT_S": "60"}, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert waited.returncode == 0, waited.stderr
+    assert "is locked by another writer; waiting up to 60s" in waited.stdout and waited.stdout.endswith("n\n1\n")
+    assert checksums(tables(wh)) == before
