@@ -153,8 +153,14 @@ class FakeHub:
     """A local HTTP server speaking the hub's protocol: either one error status for every request
     (with the hub's X-Error-Code), or serving `repo_dir` as repo org/tiny at commit SHA."""
 
-    def __init__(self, status: int = 200, error_code: str | None = None, repo_dir: Path | None = None) -> None:
+    def __init__(self, status: int = 200, error_code: str | None = None, repo_dir: Path | None = None,
+                 cut_once: str | None = None) -> None:
         self.requests: list[str] = []
+        # The Authorization header of every request, and the Range header of every file download.
+        self.auth: list[str | None] = []
+        self.ranges: list[tuple[str, str | None]] = []
+        # A file whose first download breaks off half way (the connection drops), as a flaky network does.
+        self.cut_once = cut_once
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -163,17 +169,33 @@ class FakeHub:
 
             def do_GET(self, head: bool = False) -> None:  # noqa: N802
                 hub.requests.append(f"{self.command} {self.path}")
+                hub.auth.append(self.headers.get("Authorization"))
                 headers: dict[str, str] = {"Content-Type": "application/json"}
                 if status != 200 or repo_dir is None:
                     code, body = status, b'{"error": "nope"}'
                     headers.update({"X-Error-Code": error_code} if error_code else {})
                 else:
                     code, body = 200, self.serve(repo_dir, headers)
+                name = self.path.split("?")[0].rpartition("/")[2]
+                cut = False
+                if code == 200 and not head and "/resolve/" in self.path:
+                    hub.ranges.append((name, self.headers.get("Range")))
+                    if (range_ := self.headers.get("Range")) and range_.startswith("bytes="):
+                        start = int(range_.removeprefix("bytes=").split("-")[0])
+                        headers["Content-Range"] = f"bytes {start}-{len(body) - 1}/{len(body)}"
+                        code, body = 206, body[start:]
+                    elif name == hub.cut_once:
+                        hub.cut_once, cut = None, True
                 self.send_response(code)
                 for k, v in {**headers, "Content-Length": str(len(body))}.items():
                     self.send_header(k, v)
                 self.end_headers()
-                if not head:
+                if cut:  # half the promised bytes, then the connection drops
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                elif not head:
                     self.wfile.write(body)
 
             def serve(self, root: Path, headers: dict[str, str]) -> bytes:
@@ -268,6 +290,17 @@ def test_hub_refusals_are_named(
         fetch_hub(tmp_path)
     assert one_line(e).startswith(expected)
     assert len(server.requests) == 1  # not retried
+
+
+def test_a_download_cut_off_half_way_resumes_where_it_stopped(
+    model_copy: Path, hub: Callable[..., FakeHub], tmp_path: Path
+) -> None:
+    server = hub(repo_dir=model_copy, cut_once="model.safetensors")
+    art = fetch_hub(tmp_path)
+    size = (model_copy / "model.safetensors").stat().st_size
+    # The second request asks only for the bytes after the half already on disk, and the file is whole.
+    assert [r for n, r in server.ranges if n == "model.safetensors"] == [None, f"bytes={size // 2}-"]
+    assert (Path(art.path) / "model.safetensors").read_bytes() == (model_copy / "model.safetensors").read_bytes()
 
 
 def test_hub_outage_is_retried_then_reported(hub: Callable[..., FakeHub], tmp_path: Path) -> None:
