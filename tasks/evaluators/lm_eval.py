@@ -253,7 +253,8 @@ def _metric_rows(results: dict) -> list[dict]:
                     "task": task,
                     "metric": metric,
                     "filter": filter_,
-                    "value": _number(value),
+                    # A NaN or infinite score is kept as it is: it says the model's outputs are not finite.
+                    "value": _number(value, keep_nonfinite=True),
                     "stderr": _number(row.get(f"{metric}_stderr,{filter_}")),
                     "n_samples": None if n is None else int(n),
                     "task_version": None if version_ is None else str(version_),
@@ -283,7 +284,8 @@ def _sample_rows(results: dict) -> list[dict]:
                         "task": task,
                         "doc_id": int(sample["doc_id"]),
                         "metric": metric,
-                        "value": _number(value),
+                        # A NaN or infinite score is kept as it is: it says the model's outputs are not finite.
+                    "value": _number(value, keep_nonfinite=True),
                         "detail": detail | extra,
                         "filter": sample["filter"],
                     }
@@ -317,12 +319,12 @@ def _compact(value: Any, limit: int = 200) -> Any:
     return _compact(str(value), limit)
 
 
-def _number(value: Any) -> float | None:
+def _number(value: Any, keep_nonfinite: bool = False) -> float | None:
     try:
         x = float(value)
     except (TypeError, ValueError):  # lm-eval writes "N/A" where it has no stderr
         return None
-    return x if math.isfinite(x) else None
+    return x if keep_nonfinite or math.isfinite(x) else None
 
 
 def _main(request_file: str, result_file: str) -> None:

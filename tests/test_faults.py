@@ -1,0 +1,186 @@
+"""Fault handling below the flow: vLLM's out-of-memory ladder, NaN/Inf outputs failing a variant, and which
+unfinished run a rerun resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+
+import pytest
+import torch
+
+from quantgate.catalog.schema import ScenarioSpec
+from quantgate.tasks import engines
+from quantgate.tasks.benchmark import run_scenarios
+from quantgate.tasks.engines.transformers import TransformersEngine
+from quantgate.warehouse import store
+from tests.shared_data import TINY_MODEL
+
+
+class OutOfMemoryUntilSmall(TransformersEngine):
+    """Stands in for vLLM on a CPU machine: its start fails the way vLLM 0.26's does on a GPU that is too
+    small (torch's OutOfMemoryError with the CUDA allocator's text; then vLLM's KV-cache ValueError) until
+    gpu_memory_utilization <= 0.6 and max_model_len fits the scenario; then it is Transformers on the CPU."""
+
+    name = "vllm"
+    starts: list[tuple[float, int | None]] = []
+
+    def load(self, model_path, options):
+        OutOfMemoryUntilSmall.starts.append((options.gpu_memory_utilization, options.max_model_len))
+        if options.gpu_memory_utilization > 0.6:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which"
+                " 1.02 GiB is free.")
+        if options.max_model_len and options.max_model_len > 64:
+            raise ValueError(
+                f"To serve at least one request with the models's max seq len ({options.max_model_len}), (2.25 GiB KV"
+                " cache is needed, which is larger than the available KV cache memory (1.05 GiB).")
+        super().load(model_path, replace(options, max_model_len=None))
+
+
+def test_vllm_out_of_memory_is_retried_with_less_memory_then_a_shorter_context(tiny_model, tmp_path, monkeypatch):
+    """What this covers: the ladder's logic in run_scenarios (which options are tried in which order, what
+    counts as out of memory, what is recorded) with an engine that raises the real error types and messages.
+    What it does not: vLLM itself on a GPU (no CUDA here) and the spawned-process path (isolate=True), whose
+    child would not see this test's engine registration; both share the same loop."""
+    monkeypatch.setitem(engines.ENGINES, "vllm", f"{__name__}:OutOfMemoryUntilSmall")
+    monkeypatch.setattr(engines, "availability", lambda engine, device: None)
+    OutOfMemoryUntilSmall.starts = []
+    scenario = ScenarioSpec(kind="offline", engines=["transformers", "vllm"], device="cpu", num_prompts=2, input_len=8,
+                            output_len=4, batch_size=2, repetitions=1, warmup=0, max_model_len=4096,
+                            gpu_memory_utilization=0.8)
+    [result] = run_scenarios(str(tiny_model), "vllm", [("tiny", scenario)], isolate=False)
+
+    assert OutOfMemoryUntilSmall.starts == [(0.8, 4096), (0.6, 4096), (0.6, 12)]
+    assert result.status == "ok" and result.output_tokens == 2 * 4
+    attempts = result.details["attempts"]
+    assert [(a["gpu_memory_utilization"], a["max_model_len"]) for a in attempts] == [(0.8, 4096), (0.6, 4096)]
+    assert attempts[0]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    # What was finally used is stored with the result.
+    with store.session(tmp_path / "w.duckdb") as con:
+        store.record_speed(con, "r1", "v1", [result])
+        config, details = con.execute("SELECT config, details FROM speed_results").fetchone()
+    used = json.loads(config)["engine_options"]
+    assert (used["gpu_memory_utilization"], used["max_model_len"]) == (0.6, 12)
+    assert len(json.loads(details)["attempts"]) == 2
+
+
+def test_a_failure_that_is_not_out_of_memory_is_not_retried(tiny_model, monkeypatch):
+    class Broken(TransformersEngine):
+        def load(self, model_path, options):
+            raise ValueError("unknown quantization method 'foo'")
+
+    monkeypatch.setattr(sys.modules[__name__], "Broken", Broken, raising=False)
+    monkeypatch.setitem(engines.ENGINES, "vllm", f"{__name__}:Broken")
+    monkeypatch.setattr(engines, "availability", lambda engine, device: None)
+    scenario = ScenarioSpec(kind="offline", engines=["transformers", "vllm"], device="cpu", num_prompts=2, input_len=8,
+                            output_len=4, batch_size=2, repetitions=1, warmup=0, max_model_len=4096)
+    [result] = run_scenarios(str(tiny_model), "vllm", [("tiny", scenario)], isolate=False)
+    assert result.status == "failed" and result.reason == "ValueError: unknown quantization method 'foo'"
+    assert "attempts" not in result.details
+
+
+# --- which run a rerun resumes -------------------------------------------------------------------
+
+
+def _begin(con, attempt, key="k"):
+    return store.begin_run(con, attempt, "evaluate-model", "m", key, "c.yaml", "h", "this-host", {})
+
+
+def test_a_rerun_resumes_only_an_unfinished_run_of_the_same_request(tmp_path, monkeypatch):
+    monkeypatch.setattr("platform.node", lambda: "this-host")
+    with store.session(tmp_path / "w.duckdb") as con:
+        assert _begin(con, "a1") == ("a1", False)
+        store.finish_run(con, "a1", attempt_id="a1")
+        assert _begin(con, "a2") == ("a2", False)  # after a finished run: a new run
+        # a2's process is this one, so it may still be at work: a concurrent rerun does not take it over.
+        con.execute("UPDATE run_attempts SET pid = ? WHERE attempt_id = 'a2'", [os.getppid()])
+        assert _begin(con, "a3") == ("a3", False)
+        # a3 dies (its pid is gone): the next rerun of the same request resumes it, and says a3 was abandoned.
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        con.execute("UPDATE run_attempts SET pid = ? WHERE attempt_id = 'a3'", [int(dead.stdout)])
+        assert _begin(con, "a4") == ("a3", True)
+        assert store.rows(con, "SELECT attempt_id, run_id, status FROM run_attempts WHERE run_id = 'a3' ORDER BY 1") == [
+            {"attempt_id": "a3", "run_id": "a3", "status": "abandoned"},
+            {"attempt_id": "a4", "run_id": "a3", "status": "running"}]
+        # A Prefect retry of the same flow run continues its run.
+        assert _begin(con, "a4") == ("a3", False)
+        # a4 fails; a rerun asking for something else (another key) starts afresh and leaves a3 failed.
+        store.finish_run(con, "a3", error="boom", attempt_id="a4")
+        assert _begin(con, "a5", key="other") == ("a5", False)
+        assert con.execute("SELECT status, error FROM runs WHERE run_id = 'a3'").fetchone() == ("failed", "boom")
+
+
+def test_stage_rows_and_their_mark_commit_together(tmp_path):
+    from tests.test_warehouse import _speed
+
+    with store.session(tmp_path / "w.duckdb") as con:
+        with pytest.raises(RuntimeError), store.transaction(con):
+            store.record_speed(con, "r", "v", [_speed(1.0)])  # its own transaction joins the outer one
+            store.mark_stage(con, "r", "benchmark", "v", None, "a")
+            raise RuntimeError("killed before commit")
+        assert con.execute("SELECT count(*) FROM speed_results").fetchone()[0] == 0
+        assert store.completed_stages(con, "r") == {}
+        with store.transaction(con):
+            store.record_speed(con, "r", "v", [_speed(1.0)])
+            store.mark_stage(con, "r", "benchmark", "v", None, "a")
+        assert store.completed_stages(con, "r") == {("benchmark", "v"): None}
+
+
+# --- NaN/Inf outputs -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_finite_weights_with_nan_outputs_fail_the_variant(tiny_model, tmp_path):
+    """A real build whose saved weight scale is finite but overflows once applied (finite weights, non-finite
+    outputs): the flow reuses it, lm-eval's perplexity comes out non-finite, and the variant is failed with that
+    reason and rejected, and the run completes. (That one variant's failure spares the others is shown for a
+    failed build in test_crash_resume.)"""
+    from safetensors.torch import load_file, save_file
+
+    from quantgate.catalog.schema import load_catalog
+    from quantgate.flows.evaluate_model import evaluate_model
+    from quantgate.tasks.download import fetch_model
+    from quantgate.tasks.quantize import build_variant
+
+    cat_path = tmp_path / "catalog.yaml"
+    cat_path.write_text(textwrap.dedent(f"""
+        version: 1
+        variants:
+          rtn-w8a16: {{method: rtn, scheme: W8A16, group_size: null}}
+        suites: {{stories: {{tasks: [{{name: qg_simple_stories, limit: 1}}]}}}}
+        models:
+          - {{id: tiny, source: {{kind: local, path: {tiny_model}}}, variants: [rtn-w8a16], suite: stories}}
+        policy:
+          version: 1
+          quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.5, higher_is_better: false}}]
+    """))
+    cat = load_catalog(cat_path)
+    spec = cat.model("tiny")
+    work = tmp_path / "work"
+    model = fetch_model(spec, work / "models")
+    poisoned = build_variant(model, cat.variants["rtn-w8a16"], spec.calibration, work / "variants")
+    weights = os.path.join(poisoned.path, "model.safetensors")
+    tensors = load_file(weights)
+    scale = next(k for k in tensors if k.endswith("mlp.down_proj.weight_scale") and ".0." in k)
+    tensors[scale] = torch.full_like(tensors[scale], 1e38)  # finite; int8 weight x scale overflows to inf
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert all(torch.isfinite(t.float()).all() for t in tensors.values())
+
+    card = evaluate_model(model="tiny", catalog=str(cat_path), warehouse=str(tmp_path / "w.duckdb"), workdir=str(work))
+    by_name = {r["variant"]: r for r in card}
+    bad = by_name["rtn-w8a16"]
+    assert bad["decision"] == "reject" and "rtn-w8a16: outputs contain NaN/Inf (qg_simple_stories/" in bad["reason"]
+    with store.session(tmp_path / "w.duckdb", read_only=True) as con:
+        assert con.execute("SELECT status FROM runs").fetchone()[0] == "completed"
+    with store.session(tmp_path / "w.duckdb", read_only=True) as con:
+        status, error = con.execute("SELECT status, error FROM variants WHERE variant_uid = ?", [poisoned.uid]).fetchone()
+        # Not measured further: no KL or speed for a variant whose outputs are garbage.
+        assert con.execute("SELECT count(*) FROM quality_evals WHERE variant_uid = ?", [poisoned.uid]).fetchone()[0] == 1
+    assert status == "failed" and error.startswith("rtn-w8a16: outputs contain NaN/Inf") and "\n" not in error
+    shutil.rmtree(work)
