@@ -119,7 +119,8 @@ def hub_token() -> str | None:
     try:
         value = Secret.load(name).get()
     except Exception as e:  # noqa: BLE001 - a missing block or no Prefect API; the message names neither value
-        raise DownloadError(f"{TOKEN_SECRET_ENV}={name!r}: cannot load that Prefect Secret block ({type(e).__name__})") from None
+        msg = f"{TOKEN_SECRET_ENV}={name!r}: cannot load that Prefect Secret block ({type(e).__name__})"
+        raise DownloadError(msg) from None
     return str(value) if value else None
 
 

@@ -149,8 +149,6 @@ def _unchanged_but_the_failed_run(before: dict, after: dict, message: str | None
         assert checksums(after) == checksums(before)
         return
     assert len(new_runs) == 1 and set(before["runs"]) <= set(after["runs"])
-    with duckdb.connect(":memory:"):
-        pass
     run = new_runs[0]
     assert run[5] == "failed" and run[6] == message  # status, error: the line the user saw
     attempts = sorted(set(after["run_attempts"]) - set(before.get("run_attempts", [])))
@@ -161,7 +159,8 @@ def _unchanged_but_the_failed_run(before: dict, after: dict, message: str | None
 
 @pytest.mark.parametrize(
     ("hub_status", "expected"),
-    [(404, "org/tiny@main: repository not found on the hub"), (None, "org/tiny@main: not in the local cache and the hub is unreachable (ConnectError")],
+    [(404, "org/tiny@main: repository not found on the hub"),
+     (None, "org/tiny@main: not in the local cache and the hub is unreachable (ConnectError")],
     ids=["unknown hub id", "unreachable hub"],
 )
 def test_unknown_or_unreachable_hub_id(hub_status, expected, online, seeded, tmp_path, capfd, monkeypatch):  # noqa: F811

@@ -19,7 +19,6 @@ from quantgate.tasks import engines
 from quantgate.tasks.benchmark import run_scenarios
 from quantgate.tasks.engines.transformers import TransformersEngine
 from quantgate.warehouse import store
-from tests.shared_data import TINY_MODEL
 
 
 class OutOfMemoryUntilSmall(TransformersEngine):
