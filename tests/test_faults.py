@@ -183,3 +183,30 @@ def test_finite_weights_with_nan_outputs_fail_the_variant(tiny_model, tmp_path):
         assert con.execute("SELECT count(*) FROM quality_evals WHERE variant_uid = ?", [poisoned.uid]).fetchone()[0] == 1
     assert status == "failed" and error.startswith("rtn-w8a16: outputs contain NaN/Inf") and "\n" not in error
     shutil.rmtree(work)
+
+
+def test_a_warehouse_from_before_migration_4_keeps_its_rows_and_is_never_resumed(tmp_path, monkeypatch):
+    from tests.cli_runs import checksums, tables
+    from tests.test_warehouse import seed_run
+
+    old = tmp_path / "migrations"
+    old.mkdir()
+    for f in sorted(store.MIGRATIONS.glob("*.sql"))[:3]:
+        shutil.copy(f, old)
+    path = tmp_path / "w.duckdb"
+    with monkeypatch.context() as m:
+        m.setattr(store, "MIGRATIONS", old)
+        with store.session(path) as con:
+            seed_run(con, "r1")
+            con.execute("UPDATE runs SET status = 'running', finished_at = NULL")  # as if killed, before 0004
+    before = tables(path)
+    with store.session(path) as con:  # migrates to 0004
+        assert con.execute("SELECT max(version) FROM schema_migrations").fetchone()[0] == 4
+    after = tables(path)
+    assert after["runs"] == [r + ("None",) for r in before["runs"]]  # resume_key: NULL
+    kept = lambda t: {k: v for k, v in t.items() if k not in ("runs", "schema_migrations")}  # noqa: E731
+    assert checksums({k: v for k, v in kept(after).items() if k in before}) == checksums(kept(before))
+    with store.session(path) as con:
+        # Its unfinished run has no attempts to tell whether it is still at work: a rerun starts afresh.
+        assert _begin(con, "a1") == ("a1", False)
+        assert con.execute("SELECT status FROM runs WHERE run_id = 'r1'").fetchone()[0] == "running"
