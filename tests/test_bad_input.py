@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 
 from quantgate.flows import cli
 from quantgate.warehouse import store
-from tests.cli_runs import checksums, error_lines, run_cli, tables
+from tests.cli_runs import CLI, checksums, error_lines, run_cli, tables
 from tests.shared_data import TINY_MODEL
 from tests.test_download import FakeHub, online, use_endpoint  # noqa: F401 - `online` is a fixture
 from tests.test_warehouse import seed_run
@@ -225,28 +226,39 @@ def test_sql_can_neither_write_the_warehouse_nor_touch_files(seeded, tmp_path, c
 
 def test_a_warehouse_locked_by_another_writer(seeded, tmp_path):
     """Two processes: one holds the warehouse; `quantgate run` waits QUANTGATE_LOCK_WAIT_S and gives up in
-    one line; `quantgate sql` waits for a holder that lets go, then answers."""
+    one line; `quantgate sql` says it waits, and answers once the holder lets go."""
     wh = tmp_path / "w.duckdb"
     shutil.copy(seeded, wh)
     before = checksums(tables(wh))
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import duckdb, sys, time
+        import duckdb, sys
         con = duckdb.connect({str(wh)!r})
         print("locked", flush=True)
-        time.sleep(float(sys.argv[1]))
+        sys.stdin.readline()  # until told to let go
         con.close()
-    """), "8"], stdout=subprocess.PIPE, text=True)
+        print("released", flush=True)
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    waiting = None
     try:
         assert holder.stdout.readline().strip() == "locked"
         refused = run_cli(["run", "-c", str(write_catalog(tmp_path)), "tiny", "-w", str(wh)],
                           env={"QUANTGATE_LOCK_WAIT_S": "1"}, timeout=120)
         assert refused.returncode == 1 and "Traceback" not in refused.stdout + refused.stderr
         assert error_lines(refused.stderr) == [f"error: {wh}: locked by another writer for more than 1s"]
-        waited = run_cli(["sql", "select count(*) as n from runs", "-w", str(wh), "-f", "csv"],
-                         env={"QUANTGATE_LOCK_WAIT_S": "60"}, timeout=120)
+        waiting = subprocess.Popen([*CLI, "sql", "select count(*) as n from runs", "-w", str(wh), "-f", "csv"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "QUANTGATE_LOCK_WAIT_S": "120"})
+        assert waiting.stdout.readline().strip().endswith("is locked by another writer; waiting up to 120s")
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "released"
+        out, err = waiting.communicate(timeout=120)
     finally:
         holder.kill()
         holder.wait()
-    assert waited.returncode == 0, waited.stderr
-    assert "is locked by another writer; waiting up to 60s" in waited.stdout and waited.stdout.endswith("n\n1\n")
+        if waiting is not None and waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+    assert waiting.returncode == 0, err
+    assert out == "n\n1\n"
     assert checksums(tables(wh)) == before
