@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -150,6 +150,9 @@ class SpeculativeSpec(Strict):
         return self
 
 
+EngineName = Literal["transformers", "vllm"]
+
+
 class ScenarioSpec(Strict):
     """A speed workload. Same prompts and output lengths for every engine (EOS ignored).
 
@@ -159,7 +162,7 @@ class ScenarioSpec(Strict):
     """
 
     kind: Literal["offline", "latency", "serving"] = "offline"
-    engines: tuple[Literal["transformers", "vllm"], ...] = ("transformers", "vllm")
+    engines: tuple[EngineName, ...] = ("transformers", "vllm")
     num_prompts: int = Field(default=8, ge=1)
     input_len: int = Field(default=64, ge=1)
     output_len: int = Field(default=32, ge=2)
@@ -488,11 +491,22 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
     return catalog.model_copy(update={"models": tuple(models), "suites": suites, "scenarios": scenarios})
 
 
-def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None) -> ModelSpec:
-    """A model named on the command line: a catalog id, a local folder, or a hub id (org/name[@revision])."""
+def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None,
+                scenarios: list[str] | None = None, engines: list[str] | None = None) -> ModelSpec:
+    """A model named on the command line: a catalog id, a local folder, or a hub id (org/name[@revision]).
+
+    `variants` and `scenarios` replace the catalog's lists for this run; `engines` is only checked here
+    (the flow keeps each scenario's engines that it names)."""
+    for name in scenarios or ():
+        if name not in catalog.scenarios:
+            raise CatalogError(f"unknown scenario {name!r}: the catalog defines {sorted(catalog.scenarios)}")
+    for engine in engines or ():
+        if engine not in get_args(EngineName):
+            raise CatalogError(f"unknown engine {engine!r}: known engines are {list(get_args(EngineName))}")
+    override = {"scenarios": tuple(scenarios)} if scenarios else {}
     for m in catalog.models:
         if m.id == ref:
-            return m.model_copy(update={"variants": tuple(variants)}) if variants else m
+            return m.model_copy(update={**override, **({"variants": tuple(variants)} if variants else {})})
     base = catalog.model(template) if template else catalog.models[0]
     if Path(ref).expanduser().exists():
         path = Path(ref).expanduser().resolve()
@@ -510,7 +524,7 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
     for v in chosen:
         if v not in catalog.variants:
             raise CatalogError(f"unknown variant {v!r}: the catalog defines {sorted(catalog.variants)}")
-    return base.model_copy(update={"id": model_id, "source": source, "variants": chosen})
+    return base.model_copy(update={"id": model_id, "source": source, "variants": chosen, **override})
 
 
 def resolve_variants(catalog: Catalog, model_ref: str, tokens: list[str]) -> list[str]:

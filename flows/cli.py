@@ -49,17 +49,25 @@ def run(
     catalog: CatalogOpt = None,
     warehouse: WarehouseOpt = None,
     workdir: WorkdirOpt = None,
+    scenarios: Annotated[Optional[str], typer.Option(help="comma-separated speed scenarios, instead of the model's")] = None,
+    engines: Annotated[Optional[str], typer.Option(help="comma-separated engines to benchmark (transformers,vllm)")] = None,
 ) -> None:
     """Download, quantize, evaluate, benchmark and decide one model."""
     from quantgate.flows.evaluate_model import evaluate_model
 
     cat = load_catalog(catalog or DEFAULT_CATALOG)
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
-    adhoc_model(cat, model, chosen)  # an unknown model fails here, in one line, before any run starts
+    picked = _names(scenarios)
+    kept = _names(engines)
+    adhoc_model(cat, model, chosen, scenarios=picked, engines=kept)  # bad input fails here, in one line
     card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
                           warehouse=str(warehouse) if warehouse else None, variants=chosen,
-                          workdir=str(workdir) if workdir else None)
+                          workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept)
     _print_rows(card, ["model_id", "variant", "quality_recovery", "speedup", "size_ratio", "decision", "reason"])
+
+
+def _names(csv: str | None) -> list[str] | None:
+    return [n.strip() for n in csv.split(",") if n.strip()] or None if csv else None
 
 
 @app.command()

@@ -42,11 +42,15 @@ def evaluate_model(
     warehouse: str | None = None,
     variants: list[str] | None = None,
     workdir: str | None = None,
+    scenarios: list[str] | None = None,
+    engines: list[str] | None = None,
 ) -> list[dict] | State:
-    """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for."""
+    """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for.
+
+    `variants` and `scenarios` replace the catalog's lists for this run; `engines` keeps only those engines."""
     cat_path = Path(catalog) if catalog else DEFAULT_CATALOG
     cat = load_catalog(cat_path)
-    spec = adhoc_model(cat, model, variants)
+    spec = adhoc_model(cat, model, variants, scenarios=scenarios, engines=engines)
     run_id = str(flow_run.id)
     wh = warehouse or str(store.default_path())
     root = work_dir(workdir)
@@ -54,7 +58,7 @@ def evaluate_model(
         store.start_run(con, run_id, "evaluate-model", spec.id, str(cat_path.resolve()), cat.hash,
                         platform.node(), lib_versions())
     try:
-        _evaluate(cat, spec, run_id, wh, root)
+        _evaluate(cat, spec, run_id, wh, root, engines)
     except USER_ERRORS as e:
         # Bad input: one line in the run row and in the flow's state, no traceback.
         with store.session(wh) as con:
@@ -71,7 +75,7 @@ def evaluate_model(
     return card
 
 
-def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path) -> None:
+def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path, engines: list[str] | None) -> None:
     log = get_run_logger()
     model: ModelArtifact = download_task(spec, root / "models")
     with store.session(wh) as con:
@@ -124,6 +128,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path) -
             benchmark_task(v.path, engine, name, cat.scenarios[name])
             for name in spec.scenarios
             for engine in cat.scenarios[name].engines
+            if not engines or engine in engines
         ]
         with store.session(wh) as con:
             store.record_speed(con, run_id, v.uid, results)
