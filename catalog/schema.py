@@ -371,6 +371,19 @@ class Policy(Strict):
 ModelSpec.model_rebuild()
 
 
+class WatchSpec(Strict):
+    """Hub models the release watcher lists: one author (org), optionally narrowed by a search string
+    (a family, e.g. 'Qwen2.5'). New releases are evaluated like `template` (a catalog model id: its
+    variants, suite, scenarios, calibration and policy) unless `variants` names others."""
+
+    author: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+    search: str | None = None
+    template: str
+    variants: tuple[str, ...] | None = None
+    # The newest `limit` models of the author (by last modification) are compared with the warehouse.
+    limit: int = Field(default=20, ge=1, le=1000)
+
+
 class Catalog(Strict):
     version: Literal[1]
     variants: dict[str, VariantSpec]
@@ -378,6 +391,8 @@ class Catalog(Strict):
     scenarios: dict[str, ScenarioSpec] = {}
     models: tuple[ModelSpec, ...]
     policy: Policy
+    # Authors/families on the hub whose new releases `watch-releases` evaluates.
+    watch: tuple[WatchSpec, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -405,6 +420,12 @@ class Catalog(Strict):
         ids = [m.id for m in self.models]
         if len(ids) != len(set(ids)):
             raise ValueError(f"models: ids must be unique, got {ids}")
+        for i, w in enumerate(self.watch):
+            if w.template not in ids:
+                raise ValueError(f"watch.{i}.template: unknown model {w.template!r}; the catalog has {ids}")
+            for v in w.variants or ():
+                if v not in self.variants:
+                    raise ValueError(f"watch.{i}.variants: unknown variant {v!r}; defined: {sorted(self.variants)}")
         return self
 
     def model(self, model_id: str) -> ModelSpec:
@@ -525,6 +546,15 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
         if v not in catalog.variants:
             raise CatalogError(f"unknown variant {v!r}: the catalog defines {sorted(catalog.variants)}")
     return base.model_copy(update={"id": model_id, "source": source, "variants": chosen, **override})
+
+
+def with_revision(spec: ModelSpec, revision: str | None) -> ModelSpec:
+    """`spec` pinned to a hub revision (a commit sha, branch or tag); None leaves it as it is."""
+    if not revision:
+        return spec
+    if not isinstance(spec.source, HubSource):
+        raise CatalogError(f"{spec.id}: revision {revision!r} given, but the model is a {spec.source.kind} source, not a hub one")
+    return spec.model_copy(update={"source": spec.source.model_copy(update={"revision": revision})})
 
 
 def resolve_variants(catalog: Catalog, model_ref: str, tokens: list[str]) -> list[str]:
