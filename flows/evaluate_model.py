@@ -6,19 +6,23 @@ import os
 import platform
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog
-from quantgate.tasks.benchmark import benchmark_task
+from quantgate.catalog.schema import (
+    DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog, with_revision,
+)
+from quantgate.flows import dispatch
+from quantgate.flows.inputs import model_inputs
+from quantgate.tasks.caching import build_cached, download_cached
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_report_task
-from quantgate.tasks.download import DownloadError, download_task
+from quantgate.tasks.download import DownloadError
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
-from quantgate.tasks.quantize import CalibrationError, base_variant, build_variant_task, lib_versions
+from quantgate.tasks.quantize import CalibrationError, base_variant, lib_versions
 from quantgate.tasks.records import ModelArtifact, VariantArtifact
 from quantgate.warehouse import store
 
@@ -32,7 +36,8 @@ def work_dir(explicit: str | None = None) -> Path:
 
 def _run_name() -> str:
     params = flow_run.parameters
-    return f"evaluate {params['model']}" + (f" [{','.join(params['variants'])}]" if params.get("variants") else "")
+    rev = f"@{params['revision'][:12]}" if params.get("revision") else ""
+    return f"evaluate {params['model']}{rev}" + (f" [{','.join(params['variants'])}]" if params.get("variants") else "")
 
 
 @flow(name="evaluate-model", flow_run_name=_run_name)
@@ -44,13 +49,20 @@ def evaluate_model(
     workdir: str | None = None,
     scenarios: list[str] | None = None,
     engines: list[str] | None = None,
+    revision: str | None = None,
+    template: str | None = None,
+    gpu_deployment: str | None = None,
 ) -> list[dict] | State:
     """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for.
 
-    `variants` and `scenarios` replace the catalog's lists for this run; `engines` keeps only those engines."""
+    `variants` and `scenarios` replace the catalog's lists for this run; `engines` keeps only those
+    engines. `revision` pins a hub model to a commit; `template` is the catalog model whose variants,
+    suite and scenarios a model outside the catalog gets; `gpu_deployment` ("gpu-step/gpu-step") sends
+    GPU benchmarks to that deployment's work pool instead of running them in this process.
+    """
     cat_path = Path(catalog) if catalog else DEFAULT_CATALOG
     cat = load_catalog(cat_path)
-    spec = adhoc_model(cat, model, variants, scenarios=scenarios, engines=engines)
+    spec = with_revision(adhoc_model(cat, model, variants, template, scenarios=scenarios, engines=engines), revision)
     run_id = str(flow_run.id)
     wh = warehouse or str(store.default_path())
     root = work_dir(workdir)
@@ -58,7 +70,8 @@ def evaluate_model(
         store.start_run(con, run_id, "evaluate-model", spec.id, str(cat_path.resolve()), cat.hash,
                         platform.node(), lib_versions())
     try:
-        _evaluate(cat, spec, run_id, wh, root, engines)
+        with tags("quantgate", f"model:{spec.id}"):
+            sha = _evaluate(cat, spec, run_id, wh, root, gpu_deployment, engines)
     except USER_ERRORS as e:
         # Bad input: one line in the run row and in the flow's state, no traceback.
         with store.session(wh) as con:
@@ -69,15 +82,18 @@ def evaluate_model(
             store.finish_run(con, run_id, error=one_line(e))
         raise
     with store.session(wh) as con:
+        store.record_inputs(con, run_id, spec.id, *model_inputs(cat, spec, sha))
         store.finish_run(con, run_id)
         card = store.rows(con, "SELECT * FROM variant_scorecard WHERE run_id = ?", [run_id])
     _publish(spec.id, card)
     return card
 
 
-def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path, engines: list[str] | None) -> None:
+def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path, gpu_deployment: str | None,
+              engines: list[str] | None) -> str:
+    """All steps of one model; returns the checkpoint's sha."""
     log = get_run_logger()
-    model: ModelArtifact = download_task(spec, root / "models")
+    model: ModelArtifact = download_cached(spec, root)
     with store.session(wh) as con:
         store.record_model(con, run_id, model)
         base = base_variant(model)
@@ -89,7 +105,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path, e
 
     built: list[VariantArtifact] = []
     for name in spec.variants:
-        variant = build_variant_task(model, cat.variants[name], spec.calibration, root / "variants", known)
+        variant = build_cached(model, cat.variants[name], spec.calibration, root, known)
         log.info("%s: %s%s", name, "reused" if variant.reused else variant.status,
                  f" ({variant.error})" if variant.error else "")
         with store.session(wh) as con:
@@ -123,15 +139,12 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path, e
             with store.session(wh) as con:
                 store.record_quality(con, run_id, v.uid, report, link=False)
 
-    for v in [base, *[b for b in built if b.ok]]:
-        results = [
-            benchmark_task(v.path, engine, name, cat.scenarios[name])
-            for name in spec.scenarios
-            for engine in cat.scenarios[name].engines
-            if not engines or engine in engines
-        ]
+    # GPU benchmarks may run on the GPU pool; their results come back here, the one warehouse writer.
+    measured = dispatch.benchmark_all([base, *[b for b in built if b.ok]], spec, cat, root, gpu_deployment,
+                                      engines=engines)
+    for uid, results in measured.items():
         with store.session(wh) as con:
-            store.record_speed(con, run_id, v.uid, results)
+            store.record_speed(con, run_id, uid, results)
 
     with store.session(wh) as con:
         recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
@@ -150,6 +163,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run_id: str, wh: str, root: Path, e
         store.record_decisions(con, run_id, decisions, policy.model_dump(mode="json"))
     for d in decisions:
         log.info("%s", d.reason)
+    return model.sha
 
 
 def _eval_setup() -> tuple[str, str, str]:
