@@ -29,19 +29,22 @@ def fetch_and_build(model_path: str, root: str) -> tuple:
     return str(flow_run.id), model, variant
 
 
-def task_states(flow_run_id: str) -> dict[str, str]:
+def task_states(flow_run_id: str) -> dict[str, list[str]]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: r.state.name for r in runs}
+    out: dict[str, list[str]] = {}
+    for r in sorted(runs, key=lambda r: r.expected_start_time or r.created):
+        out.setdefault(r.name, []).append(r.state.name)
+    return out
 
 
 def test_second_run_is_served_from_the_cache_and_a_deleted_build_is_rebuilt(tiny_model, tmp_path):
     root = tmp_path / "work"
     run1, model, built = fetch_and_build(str(tiny_model), str(root))
-    assert task_states(run1) == {"download tiny": "Completed", "quantize tiny/int8-w8a16": "Completed"}
+    assert task_states(run1) == {"download tiny": ["Completed"], "quantize tiny/int8-w8a16": ["Completed"]}
     assert built.ok and not built.reused and (Path(built.path) / quantize.MARKER).is_file()
     # The cache key is the variant uid: model sha + recipe hash + quantizer library versions.
     _, recipe_hash = quantize.recipe_for(INT8)
@@ -52,13 +55,13 @@ def test_second_run_is_served_from_the_cache_and_a_deleted_build_is_rebuilt(tiny
     assert keys == sorted([download_key(spec, root / "models"), quantize_key(model, INT8, CalibrationSpec())])
 
     run2, model2, again = fetch_and_build(str(tiny_model), str(root))
-    assert task_states(run2) == {"download tiny": "Cached", "quantize tiny/int8-w8a16": "Cached"}
+    assert task_states(run2) == {"download tiny": ["Cached"], "quantize tiny/int8-w8a16": ["Cached"]}
     assert model2 == model and again.reused and again.uid == built.uid and again.path == built.path
 
     shutil.rmtree(built.path)  # the cache record now names a checkpoint that is gone
     run3, _, rebuilt = fetch_and_build(str(tiny_model), str(root))
-    states = task_states(run3)
-    assert states["download tiny"] == "Cached" and states["quantize tiny/int8-w8a16"] == "Completed"
+    # The stale hit is not trusted: the same task runs again with a refreshed cache record.
+    assert task_states(run3) == {"download tiny": ["Cached"], "quantize tiny/int8-w8a16": ["Cached", "Completed"]}
     assert not rebuilt.reused and (Path(rebuilt.path) / quantize.MARKER).is_file()
     run4, _, cached = fetch_and_build(str(tiny_model), str(root))
-    assert task_states(run4)["quantize tiny/int8-w8a16"] == "Cached" and cached.reused
+    assert task_states(run4)["quantize tiny/int8-w8a16"] == ["Cached"] and cached.reused
