@@ -183,7 +183,7 @@ def test_two_concurrent_runs_through_workers_leave_a_consistent_warehouse(deploy
     assert {r.name for r in runs.values()} == {"evaluate stories260k", f"evaluate {deployed['other']}"}
     # GPU benchmarks ran as their own runs on the GPU pool, one per variant, under a limit-1 GPU slot.
     assert len(gpu_runs) == 4 and all(r.state.is_completed() for r in gpu_runs)
-    assert {str(r.parent_task_run_id is not None) for r in gpu_runs} == {"True"}
+    assert all(r.parent_task_run_id is not None for r in gpu_runs)  # linked to their evaluate-model run
     assert slot.limit == 1 and slot.active_slots == 0
 
     with store.session(wh, read_only=True) as con:
