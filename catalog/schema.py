@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -150,6 +150,9 @@ class SpeculativeSpec(Strict):
         return self
 
 
+EngineName = Literal["transformers", "vllm"]
+
+
 class ScenarioSpec(Strict):
     """A speed workload. Same prompts and output lengths for every engine (EOS ignored).
 
@@ -159,7 +162,7 @@ class ScenarioSpec(Strict):
     """
 
     kind: Literal["offline", "latency", "serving"] = "offline"
-    engines: tuple[Literal["transformers", "vllm"], ...] = ("transformers", "vllm")
+    engines: tuple[EngineName, ...] = ("transformers", "vllm")
     num_prompts: int = Field(default=8, ge=1)
     input_len: int = Field(default=64, ge=1)
     output_len: int = Field(default=32, ge=2)
@@ -368,6 +371,19 @@ class Policy(Strict):
 ModelSpec.model_rebuild()
 
 
+class WatchSpec(Strict):
+    """Hub models the release watcher lists: one author (org), optionally narrowed by a search string
+    (a family, e.g. 'Qwen2.5'). New releases are evaluated like `template` (a catalog model id: its
+    variants, suite, scenarios, calibration and policy) unless `variants` names others."""
+
+    author: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+    search: str | None = None
+    template: str
+    variants: tuple[str, ...] | None = None
+    # The newest `limit` models of the author (by last modification) are compared with the warehouse.
+    limit: int = Field(default=20, ge=1, le=1000)
+
+
 class Catalog(Strict):
     version: Literal[1]
     variants: dict[str, VariantSpec]
@@ -375,6 +391,8 @@ class Catalog(Strict):
     scenarios: dict[str, ScenarioSpec] = {}
     models: tuple[ModelSpec, ...]
     policy: Policy
+    # Authors/families on the hub whose new releases `watch-releases` evaluates.
+    watch: tuple[WatchSpec, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -402,6 +420,12 @@ class Catalog(Strict):
         ids = [m.id for m in self.models]
         if len(ids) != len(set(ids)):
             raise ValueError(f"models: ids must be unique, got {ids}")
+        for i, w in enumerate(self.watch):
+            if w.template not in ids:
+                raise ValueError(f"watch.{i}.template: unknown model {w.template!r}; the catalog has {ids}")
+            for v in w.variants or ():
+                if v not in self.variants:
+                    raise ValueError(f"watch.{i}.variants: unknown variant {v!r}; defined: {sorted(self.variants)}")
         return self
 
     def model(self, model_id: str) -> ModelSpec:
@@ -488,11 +512,22 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
     return catalog.model_copy(update={"models": tuple(models), "suites": suites, "scenarios": scenarios})
 
 
-def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None) -> ModelSpec:
-    """A model named on the command line: a catalog id, a local folder, or a hub id (org/name[@revision])."""
+def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None,
+                scenarios: list[str] | None = None, engines: list[str] | None = None) -> ModelSpec:
+    """A model named on the command line: a catalog id, a local folder, or a hub id (org/name[@revision]).
+
+    `variants` and `scenarios` replace the catalog's lists for this run; `engines` is only checked here
+    (the flow keeps each scenario's engines that it names)."""
+    for name in scenarios or ():
+        if name not in catalog.scenarios:
+            raise CatalogError(f"unknown scenario {name!r}: the catalog defines {sorted(catalog.scenarios)}")
+    for engine in engines or ():
+        if engine not in get_args(EngineName):
+            raise CatalogError(f"unknown engine {engine!r}: known engines are {list(get_args(EngineName))}")
+    override = {"scenarios": tuple(scenarios)} if scenarios else {}
     for m in catalog.models:
         if m.id == ref:
-            return m.model_copy(update={"variants": tuple(variants)}) if variants else m
+            return m.model_copy(update={**override, **({"variants": tuple(variants)} if variants else {})})
     base = catalog.model(template) if template else catalog.models[0]
     if Path(ref).expanduser().exists():
         path = Path(ref).expanduser().resolve()
@@ -510,7 +545,16 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
     for v in chosen:
         if v not in catalog.variants:
             raise CatalogError(f"unknown variant {v!r}: the catalog defines {sorted(catalog.variants)}")
-    return base.model_copy(update={"id": model_id, "source": source, "variants": chosen})
+    return base.model_copy(update={"id": model_id, "source": source, "variants": chosen, **override})
+
+
+def with_revision(spec: ModelSpec, revision: str | None) -> ModelSpec:
+    """`spec` pinned to a hub revision (a commit sha, branch or tag); None leaves it as it is."""
+    if not revision:
+        return spec
+    if not isinstance(spec.source, HubSource):
+        raise CatalogError(f"{spec.id}: revision {revision!r} given, but the model is a {spec.source.kind} source, not a hub one")
+    return spec.model_copy(update={"source": spec.source.model_copy(update={"revision": revision})})
 
 
 def resolve_variants(catalog: Catalog, model_ref: str, tokens: list[str]) -> list[str]:

@@ -49,19 +49,27 @@ def run(
     catalog: CatalogOpt = None,
     warehouse: WarehouseOpt = None,
     workdir: WorkdirOpt = None,
+    scenarios: Annotated[Optional[str], typer.Option(help="comma-separated speed scenarios, instead of the model's")] = None,
+    engines: Annotated[Optional[str], typer.Option(help="comma-separated engines to benchmark (transformers,vllm)")] = None,
 ) -> None:
     """Download, quantize, evaluate, benchmark and decide one model."""
     from quantgate.flows.evaluate_model import evaluate_model
 
     cat = load_catalog(catalog or DEFAULT_CATALOG)
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
-    adhoc_model(cat, model, chosen)  # an unknown model fails here, in one line, before any run starts
+    picked = _names(scenarios)
+    kept = _names(engines)
+    adhoc_model(cat, model, chosen, scenarios=picked, engines=kept)  # bad input fails here, in one line
     with store.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
         pass
     card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
                           warehouse=str(warehouse) if warehouse else None, variants=chosen,
-                          workdir=str(workdir) if workdir else None)
+                          workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept)
     _print_rows(card, ["model_id", "variant", "quality_recovery", "speedup", "size_ratio", "decision", "reason"])
+
+
+def _names(csv: str | None) -> list[str] | None:
+    return [n.strip() for n in csv.split(",") if n.strip()] or None if csv else None
 
 
 @app.command()
@@ -88,6 +96,60 @@ def gpu_suite_cmd(
                       shape=shape, suite=str(suite) if suite else None,
                       parts=parts.split(",") if parts else None, deadline_s=deadline_s)
     _print_rows(steps, ["step_index", "part", "engine", "build", "status", "seconds", "reason"])
+
+
+@app.command()
+def deploy(
+    repo: Annotated[Optional[Path], typer.Option(help="checkout with prefect.yaml that workers run (default: this one)")] = None,
+) -> None:
+    """Create the work pools and every deployment of prefect.yaml on the Prefect server (PREFECT_API_URL)."""
+    from quantgate.flows import deploy as deploying
+
+    names = deploying.deploy(repo or deploying.REPO)
+    for name in names:
+        console.print(name)
+    console.print(f"{len(names)} deployments on {deploying.api_url()}; start workers: "
+                  "prefect worker start --pool quantgate-cpu (and --pool quantgate-gpu --limit 1 per GPU)")
+
+
+@app.command()
+def nightly(
+    all_models: Annotated[bool, typer.Option("--all", help="evaluate every catalog model, changed or not")] = False,
+    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="only this catalog model (repeatable)")] = None,
+    deployment: Annotated[Optional[str], typer.Option(
+        help="start each evaluation as a run of this deployment (evaluate-model/evaluate-model) instead of in-process")] = None,
+    catalog: CatalogOpt = None,
+    warehouse: WarehouseOpt = None,
+    workdir: WorkdirOpt = None,
+) -> None:
+    """Run the nightly now: evaluate every catalog model whose inputs changed since its last successful run."""
+    from quantgate.flows.nightly import nightly as nightly_flow
+
+    rows = nightly_flow(catalog=str(catalog) if catalog else None, warehouse=str(warehouse) if warehouse else None,
+                        workdir=str(workdir) if workdir else None, all_models=all_models, models=model or None,
+                        evaluate_deployment=deployment)
+    _print_rows(rows, ["model", "action", "status", "reason", "flow_run_id"])
+
+
+@app.command()
+def watch(
+    released: Annotated[Optional[list[str]], typer.Option(
+        "--released", "-r", help="a model just released, org/name@commit-sha (repeatable); skips the hub listing")] = None,
+    listing_file: Annotated[Optional[Path], typer.Option(help="a saved hub listing (JSON list of /api/models entries)")] = None,
+    template: Annotated[Optional[str], typer.Option(help="catalog model whose variants/suite a --released model gets")] = None,
+    deployment: Annotated[Optional[str], typer.Option(
+        help="start each evaluation as a run of this deployment (evaluate-model/evaluate-model) instead of in-process")] = None,
+    catalog: CatalogOpt = None,
+    warehouse: WarehouseOpt = None,
+    workdir: WorkdirOpt = None,
+) -> None:
+    """Evaluate new hub releases of the authors the catalog watches (or the --released ones)."""
+    from quantgate.flows.watch_releases import watch_releases
+
+    rows = watch_releases(catalog=str(catalog) if catalog else None, warehouse=str(warehouse) if warehouse else None,
+                          workdir=str(workdir) if workdir else None, released=released or None, template=template,
+                          listing_file=str(listing_file) if listing_file else None, evaluate_deployment=deployment)
+    _print_rows(rows, ["model_id", "sha", "source", "action", "flow_run_id"])
 
 
 @app.command()

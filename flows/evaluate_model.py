@@ -12,20 +12,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog
+from quantgate.catalog.schema import (
+    DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog, with_revision,
+)
+from quantgate.flows import dispatch
+from quantgate.flows.inputs import model_inputs
 from quantgate.tasks import faults
-from quantgate.tasks.benchmark import benchmark_task
+from quantgate.tasks.caching import build_cached, download_cached
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_report_task
-from quantgate.tasks.download import DownloadError, download_task
+from quantgate.tasks.download import DownloadError
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
-from quantgate.tasks.quantize import CalibrationError, base_variant, build_variant_task, lib_versions, variant_from_row
+from quantgate.tasks.quantize import CalibrationError, base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import MetricResult, ModelArtifact, VariantArtifact
 from quantgate.warehouse import store
 
@@ -43,13 +47,14 @@ def work_dir(explicit: str | None = None) -> Path:
 
 def _run_name() -> str:
     params = flow_run.parameters
-    return f"evaluate {params['model']}" + (f" [{','.join(params['variants'])}]" if params.get("variants") else "")
+    rev = f"@{params['revision'][:12]}" if params.get("revision") else ""
+    return f"evaluate {params['model']}{rev}" + (f" [{','.join(params['variants'])}]" if params.get("variants") else "")
 
 
-def resume_key(cat: Catalog, spec: ModelSpec) -> str:
-    """What a run was asked to do: the catalog and the model's resolved spec. A rerun with the same key
-    resumes an unfinished run; any change starts a fresh one."""
-    key = {"catalog": cat.hash, "model": spec.model_dump(mode="json")}
+def resume_key(cat: Catalog, spec: ModelSpec, engines: list[str] | None = None) -> str:
+    """What a run was asked to do: the catalog, the model's resolved spec and the engines kept. A rerun
+    with the same key resumes an unfinished run; any change starts a fresh one."""
+    key = {"catalog": cat.hash, "model": spec.model_dump(mode="json"), "engines": sorted(engines or [])}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -81,16 +86,26 @@ def evaluate_model(
     warehouse: str | None = None,
     variants: list[str] | None = None,
     workdir: str | None = None,
+    scenarios: list[str] | None = None,
+    engines: list[str] | None = None,
+    revision: str | None = None,
+    template: str | None = None,
+    gpu_deployment: str | None = None,
 ) -> list[dict] | State:
     """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for.
 
-    A rerun after a crash (the model's latest run unfinished, same catalog and spec) resumes that run:
-    stages already stored are not done again.
+    `variants` and `scenarios` replace the catalog's lists for this run; `engines` keeps only those
+    engines. `revision` pins a hub model to a commit; `template` is the catalog model whose variants,
+    suite and scenarios a model outside the catalog gets; `gpu_deployment` ("gpu-step/gpu-step") sends
+    GPU benchmarks to that deployment's work pool instead of running them in this process.
+    A rerun after a crash (the model's latest run unfinished, same catalog, spec and engines) resumes
+    that run: stages already stored are not done again.
     """
     cat_path = Path(catalog) if catalog else DEFAULT_CATALOG
     try:
         cat = load_catalog(cat_path)
-        spec = adhoc_model(cat, model, variants)
+        spec = with_revision(adhoc_model(cat, model, variants, template, scenarios=scenarios, engines=engines),
+                             revision)
     except CatalogError as e:
         return Failed(message=str(e))
     attempt_id = str(flow_run.id)
@@ -99,7 +114,8 @@ def evaluate_model(
     log = get_run_logger()
     try:
         with store.session(wh) as con:
-            run_id, resumed = store.begin_run(con, attempt_id, "evaluate-model", spec.id, resume_key(cat, spec),
+            run_id, resumed = store.begin_run(con, attempt_id, "evaluate-model", spec.id,
+                                              resume_key(cat, spec, engines),
                                               str(cat_path.resolve()), cat.hash, platform.node(), lib_versions())
         run = _Run(wh, run_id, attempt_id)
     except store.WarehouseError as e:  # no warehouse to write a run row into
@@ -107,7 +123,8 @@ def evaluate_model(
     if resumed:
         log.info("resuming run %s of %s: %d stage(s) already complete", run_id, spec.id, len(run.done))
     try:
-        _evaluate(cat, spec, run, root)
+        with tags("quantgate", f"model:{spec.id}"):
+            sha = _evaluate(cat, spec, run, root, gpu_deployment, engines)
     except USER_ERRORS as e:
         # Bad input: one line in the run row and in the flow's state, no traceback.
         _finish(run, str(e))
@@ -115,6 +132,8 @@ def evaluate_model(
     except Exception as e:
         _finish(run, one_line(e))
         raise
+    with store.session(wh) as con:
+        store.record_inputs(con, run_id, spec.id, *model_inputs(cat, spec, sha))
     _finish(run, None)
     with store.session(wh, read_only=True) as con:
         card = store.rows(con, "SELECT * FROM variant_scorecard WHERE run_id = ?", [run_id])
@@ -138,7 +157,9 @@ def _nonfinite(metrics: list[MetricResult]) -> str | None:
     return ", ".join(bad[:3]) or None
 
 
-def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path) -> None:
+def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployment: str | None,
+              engines: list[str] | None) -> str:
+    """All stages of one model that the run has not completed yet; returns the checkpoint's sha."""
     log = get_run_logger()
     run_id, wh = run.run_id, run.wh
     model: ModelArtifact | None = None
@@ -148,7 +169,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path) -> None:
         if model is not None and not (Path(model.path) / "config.json").is_file():
             model = None  # the folder is gone: fetch it again
     if model is None:
-        model = download_task(spec, root / "models")
+        model = download_cached(spec, root)
         with run.stage("download", "", model.uid) as con:
             store.record_model(con, run_id, model)
             store.record_variant(con, run_id, base_variant(model), role="base")
@@ -166,7 +187,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path) -> None:
                 row = store.run_variant(con, run_id, run.done[("quantize", name)] or "")
             variant = variant_from_row(row, cat.variants[name]) if row else None
         if variant is None:
-            variant = build_variant_task(model, cat.variants[name], spec.calibration, root / "variants", known)
+            variant = build_cached(model, cat.variants[name], spec.calibration, root, known)
             log.info("%s: %s%s", name, "reused" if variant.reused else variant.status,
                      f" ({variant.error})" if variant.error else "")
             with run.stage("quantize", name, variant.uid) as con:
@@ -224,19 +245,17 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path) -> None:
             if report is not None:
                 store.record_quality(con, run_id, v.uid, report, link=False)
 
-    for v in [base, *variants_ok]:
-        if run.is_done("benchmark", v.uid):
-            continue
-        results = [
-            benchmark_task(v.path, engine, name, cat.scenarios[name])
-            for name in spec.scenarios
-            for engine in cat.scenarios[name].engines
-        ]
-        with run.stage("benchmark", v.uid) as con:
-            store.record_speed(con, run_id, v.uid, results)
+    # GPU benchmarks may run on the GPU pool; their results come back here, the one warehouse writer,
+    # and each variant's rows are stored with its completion mark as soon as they are all in.
+    def store_speed(uid: str, results: list) -> None:
+        with run.stage("benchmark", uid) as con:
+            store.record_speed(con, run_id, uid, results)
+
+    pending = [v for v in [base, *variants_ok] if not run.is_done("benchmark", v.uid)]
+    dispatch.benchmark_all(pending, spec, cat, root, gpu_deployment, engines=engines, on_variant=store_speed)
 
     if run.is_done("decide"):
-        return
+        return model.sha
     with run.stage("decide") as con:
         recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
         speed = store.rows(con, "SELECT * FROM variant_speedup WHERE run_id = ?", [run_id])
@@ -254,6 +273,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path) -> None:
         store.record_decisions(con, run_id, decisions, policy.model_dump(mode="json"))
     for d in decisions:
         log.info("%s", d.reason)
+    return model.sha
 
 
 def _eval_setup() -> tuple[str, str, str]:

@@ -260,6 +260,15 @@ def _unavailable(step: SuiteStep, scenarios: list[tuple[str, ScenarioSpec]]) -> 
     return engines.availability(engine, device)
 
 
+def select_steps(spec: GpuSuiteSpec, parts: list[str] | None) -> list[tuple[int, SuiteStep]]:
+    """The steps of `parts` (default all) with their index in the file; named parts run in the order given."""
+    known_parts = sorted({s.part for s in spec.steps})
+    if parts and (unknown := sorted(set(parts) - set(known_parts))):
+        raise GpuSuiteError(f"unknown part(s) {unknown}; the suite has {known_parts}")
+    steps = [(i, s) for i, s in enumerate(spec.steps) if not parts or s.part in parts]
+    return sorted(steps, key=lambda item: parts.index(item[1].part)) if parts else steps
+
+
 @flow(name=FLOW_NAME, log_prints=True)
 def gpu_suite(
     warehouse: str | None = None,
@@ -276,10 +285,7 @@ def gpu_suite(
     spec = load_gpu_suite(suite_path)
     check_steps(spec)
     config = shape_config(spec, shape)
-    known_parts = sorted({s.part for s in spec.steps})
-    if parts and (unknown := sorted(set(parts) - set(known_parts))):
-        raise GpuSuiteError(f"unknown part(s) {unknown}; the suite has {known_parts}")
-    steps = [(i, s) for i, s in enumerate(spec.steps) if not parts or s.part in parts]
+    steps = select_steps(spec, parts)
     clock = Clock(deadline_s, grace_s)
     run_id = str(flow_run.id)
     wh = warehouse or str(store.default_path())

@@ -86,3 +86,13 @@ def test_adhoc_models_and_variant_shorthands(tiny_model):
     assert resolve_variants(cat, "stories260k", ["awq", "gptq"]) == ["awq-w4a16-g32", "gptq-w4a16-g32"]
     with pytest.raises(CatalogError, match="unknown variant or method 'hqq'"):
         resolve_variants(cat, "stories260k", ["hqq"])
+
+
+def test_scenarios_named_for_one_run_replace_the_models_own():
+    cat = load_catalog()
+    spec = adhoc_model(cat, "smollm2-135m", scenarios=["gpu-throughput"])
+    assert spec.scenarios == ("gpu-throughput",) and spec.variants == cat.model("smollm2-135m").variants
+    with pytest.raises(CatalogError, match="unknown scenario 'warp-speed'"):
+        adhoc_model(cat, "smollm2-135m", scenarios=["warp-speed"])
+    with pytest.raises(CatalogError, match="unknown engine 'tgi'"):
+        adhoc_model(cat, "smollm2-135m", engines=["tgi"])

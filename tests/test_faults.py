@@ -185,23 +185,24 @@ def test_finite_weights_with_nan_outputs_fail_the_variant(tiny_model, tmp_path):
     shutil.rmtree(work)
 
 
-def test_a_warehouse_from_before_migration_4_keeps_its_rows_and_is_never_resumed(tmp_path, monkeypatch):
+def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(tmp_path, monkeypatch):
     from tests.cli_runs import checksums, tables
     from tests.test_warehouse import seed_run
 
     old = tmp_path / "migrations"
     old.mkdir()
-    for f in sorted(store.MIGRATIONS.glob("*.sql"))[:3]:
+    every = sorted(store.MIGRATIONS.glob("*.sql"))
+    for f in every[:every.index(store.MIGRATIONS / "0005_run_stages.sql")]:
         shutil.copy(f, old)
     path = tmp_path / "w.duckdb"
     with monkeypatch.context() as m:
         m.setattr(store, "MIGRATIONS", old)
         with store.session(path) as con:
             seed_run(con, "r1")
-            con.execute("UPDATE runs SET status = 'running', finished_at = NULL")  # as if killed, before 0004
+            con.execute("UPDATE runs SET status = 'running', finished_at = NULL")  # as if killed, before 0005
     before = tables(path)
-    with store.session(path) as con:  # migrates to 0004
-        assert con.execute("SELECT max(version) FROM schema_migrations").fetchone()[0] == 4
+    with store.session(path) as con:  # migrates to the newest
+        assert con.execute("SELECT max(version) FROM schema_migrations").fetchone()[0] == int(every[-1].name[:4])
     after = tables(path)
     assert after["runs"] == [r + ("None",) for r in before["runs"]]  # resume_key: NULL
     kept = lambda t: {k: v for k, v in t.items() if k not in ("runs", "schema_migrations")}  # noqa: E731

@@ -12,8 +12,8 @@ import torch
 import yaml
 from prefect.testing.utilities import prefect_test_harness
 
-from quantgate.catalog.schema import ScenarioSpec, SuiteStep
-from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps
+from quantgate.catalog.schema import ScenarioSpec, SuiteStep, load_gpu_suite
+from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps, select_steps
 from quantgate.tasks.benchmark import (
     BenchmarkError,
     engine_options,
@@ -231,6 +231,8 @@ def test_flow_past_its_deadline_starts_nothing(tmp_path, prefect_api):
     assert all(s["reason"].startswith("deadline: not started") for s in steps)
     with store.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM speed_results WHERE status = 'skipped'").fetchone()[0] == 4
+    suite = load_gpu_suite(_tiny_suite(tmp_path))
+    assert [s.part for _, s in select_steps(suite, ["serving", "cpu"])] == ["serving", "cpu", "cpu"]
     with pytest.raises(Exception, match=r"unknown part\(s\) \['nope'\]"):
         gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="tiny", suite=str(_tiny_suite(tmp_path)),
                   parts=["nope"])

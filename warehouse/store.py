@@ -563,3 +563,51 @@ def paired_samples(con, run_id: str, metrics: Sequence[tuple[str, str]] = ()) ->
         params += [x for pair in metrics for x in pair]
     return rows(con, f"SELECT * FROM variant_paired_samples WHERE {where} ORDER BY variant_uid, task, metric, filter, doc_id",
                 params)
+
+
+# --- orchestration (nightly, release watcher) --------------------------------------------------
+
+
+def record_inputs(con, run_id: str, model_id: str, inputs_hash: str, inputs: dict[str, Any]) -> None:
+    """What a run evaluated, hashed: the nightly compares it with the model's inputs now."""
+    with transaction(con):
+        con.execute(
+            "INSERT OR REPLACE INTO run_inputs VALUES (?, ?, ?, ?, ?)",
+            [run_id, model_id, inputs_hash, _json(inputs), _now()],
+        )
+
+
+def last_success_inputs(con, model_id: str) -> dict[str, Any] | None:
+    """inputs_hash, inputs, run_id and finished_at of the model's latest completed run that recorded its inputs."""
+    found = rows(
+        con,
+        "SELECT i.inputs_hash, i.inputs, i.run_id, r.finished_at FROM run_inputs i JOIN runs r USING (run_id)"
+        " WHERE i.model_id = ? AND r.status = 'completed' ORDER BY r.finished_at DESC LIMIT 1",
+        [model_id],
+    )
+    return found[0] if found else None
+
+
+def seen_releases(con, releases: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The (model id, commit sha) pairs the warehouse knows: evaluated (models) or already triggered."""
+    if not releases:
+        return set()
+    values = ", ".join("(?, ?)" for _ in releases)
+    params = [x for pair in releases for x in pair]
+    found = con.execute(
+        f"WITH wanted(model_id, sha) AS (VALUES {values})"
+        " SELECT w.model_id, w.sha FROM wanted w WHERE EXISTS (SELECT 1 FROM models m WHERE m.model_id = w.model_id"
+        " AND m.sha = w.sha) OR EXISTS (SELECT 1 FROM release_triggers t WHERE t.model_id = w.model_id AND t.sha = w.sha)",
+        params,
+    ).fetchall()
+    return {(m, s) for m, s in found}
+
+
+def record_trigger(con, model_id: str, sha: str, source: str, flow_run_id: str | None) -> bool:
+    """Remember that a release was triggered; False when it already was (nothing is written then)."""
+    with transaction(con):
+        inserted = con.execute(
+            "INSERT INTO release_triggers VALUES (?, ?, ?, ?, ?) ON CONFLICT (model_id, sha) DO NOTHING RETURNING 1",
+            [model_id, sha, source, flow_run_id, _now()],
+        ).fetchall()
+    return bool(inserted)

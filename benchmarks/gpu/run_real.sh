@@ -4,8 +4,10 @@
 # and vLLM benchmarked, decisions made. After the devkit install and stage_demo_model.sh, from the
 # repository root (carry [".gpu-carry/data"] for the offline eval data):
 #
-#     bash benchmarks/gpu/run_real.sh [MODEL]        # default smollm2-135m
+#     bash benchmarks/gpu/run_real.sh [MODEL [quantgate run options]]   # default smollm2-135m
+#     e.g. bash benchmarks/gpu/run_real.sh smollm2-135m --scenarios gpu-throughput
 #
+# QG_TIMEOUT_S (default 540) stops the flow with SIGINT so that the export below still runs.
 # Writes to $OUT: summary.md, log.txt and real_results.tar.gz (the warehouse and its Parquet export).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -19,16 +21,18 @@ LOG="$OUT/log.txt"
 
 WH="$RESULTS/real.duckdb"
 QG=(python3 -m quantgate.flows.cli)
+MODEL="${1:-smollm2-135m}"
+shift || true
 {
-    echo "== $(date -u +%FT%TZ) quantgate run ${1:-smollm2-135m} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-    "${QG[@]}" run "${1:-smollm2-135m}" --warehouse "$WH" --workdir "$WORK"
+    echo "== $(date -u +%FT%TZ) quantgate run $MODEL $* on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+    timeout -s INT -k 20 "${QG_TIMEOUT_S:-540}" "${QG[@]}" run "$MODEL" --warehouse "$WH" --workdir "$WORK" "$@"
     echo "== flow exit code $? at $(date -u +%FT%TZ)"
 } 2>&1 | tee "$LOG"
 
 {
     echo "# evaluate-model on the GPU machine"
     echo
-    echo "Produced by \`bash benchmarks/gpu/run_real.sh ${1:-smollm2-135m}\`; every figure below is read from the warehouse."
+    echo "Produced by \`bash benchmarks/gpu/run_real.sh $MODEL $*\`; every figure below is read from the warehouse."
     echo
     echo "## Scorecard"
     "${QG[@]}" sql "select variant, method, bits, group_size, size_ratio, quality_recovery, speedup, decision, reason from variant_scorecard" -w "$WH" -f markdown

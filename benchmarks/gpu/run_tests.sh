@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests (pytest -m gpu) on the device, after the devkit is installed. From the repository root:
 #     bash benchmarks/gpu/run_tests.sh [pytest args]
-# Writes $OUT/gpu_tests.txt (default ./gpu-out) besides printing.
+# Writes $OUT/gpu_tests.txt (default ./gpu-out) besides printing. Needs pytest-xdist (in the device image).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$REPO"
@@ -9,5 +9,10 @@ OUT="${OUT:-$REPO/gpu-out}"
 WORK="${QG_WORKDIR:-/tmp/quantgate-gpu-tests}"
 mkdir -p "$OUT"
 . "$REPO/benchmarks/gpu/env.sh"
-python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" "${@:-tests}" 2>&1 | tee "$OUT/gpu_tests.txt"
+# One pytest-xdist worker per GPU, each pinned to its GPU by tests/conftest.py (QUANTGATE_TEST_GPUS).
+GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)
+WORKERS=$(echo "$GPUS" | tr ',' '\n' | grep -c .)
+export QUANTGATE_TEST_GPUS="$GPUS"
+python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -n "$WORKERS" --durations=0 "${@:-tests}" 2>&1 \
+    | tee "$OUT/gpu_tests.txt"
 exit "${PIPESTATUS[0]}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,12 +47,12 @@ def _suite(tmp_path):
         "steps": [
             {"part": "offline", "engine": "vllm", "build": "bf16", "scenarios": ["offline", "latency"]},
             {"part": "offline", "engine": "vllm", "build": "w4a16-g128", "scenarios": ["offline", "latency"]},
-            {"part": "crosscheck", "engine": "vllm-bench", "build": "bf16", "scenarios": ["offline"]},
-            {"part": "offline", "engine": "transformers", "build": "bf16", "scenarios": ["offline", "latency"]},
-            {"part": "offline", "engine": "transformers", "build": "w4a16-g128", "scenarios": ["offline"]},
+            {"part": "offline", "engine": "vllm-bench", "build": "bf16", "scenarios": ["offline"]},
+            {"part": "transformers", "engine": "transformers", "build": "bf16", "scenarios": ["offline", "latency"]},
+            {"part": "transformers", "engine": "transformers", "build": "w4a16-g128", "scenarios": ["offline"]},
             {"part": "serving", "engine": "vllm-serve", "build": "bf16", "scenarios": ["serving"]},
             {"part": "levers", "engine": "vllm", "build": "bf16", "scenarios": ["latency-ngram"]},
-            {"part": "compile", "engine": "transformers", "build": "bf16", "scenarios": ["latency-compile"]},
+            {"part": "levers", "engine": "transformers", "build": "bf16", "scenarios": ["latency-compile"]},
         ],
     }
     path = tmp_path / "suite.yaml"
@@ -59,31 +60,53 @@ def _suite(tmp_path):
     return path
 
 
-def test_every_step_kind_runs_on_the_gpu(tmp_path):
+def _run(tmp_path: Path, part: str) -> Path:
     wh = tmp_path / "w.duckdb"
-
     steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="small", suite=str(_suite(tmp_path)),
-                      deadline_s=1200, grace_s=300)
+                      parts=[part], deadline_s=1200, grace_s=300)
+    assert steps and all(s["status"] == "ok" for s in steps), [(s["engine"], s["build"], s["reason"]) for s in steps]
+    return wh
 
-    assert all(s["status"] == "ok" for s in steps), [(s["engine"], s["build"], s["reason"]) for s in steps]
-    with store.session(wh, read_only=True) as con:
-        speed = {(r["engine"], r["scenario"], r["variant_uid"].rsplit("-", 1)[-1]): r
-                 for r in store.rows(con, "SELECT * FROM speed_results")}
+
+def _speed(con) -> dict:
+    return {(r["engine"], r["scenario"], r["variant_uid"].rsplit("-", 1)[-1]): r
+            for r in store.rows(con, "SELECT * FROM speed_results")}
+
+
+# One test per part, so that pytest-xdist spreads them over the GPUs (benchmarks/gpu/run_tests.sh).
+def test_vllm_offline_latency_roofline_and_the_bench_crosscheck(tmp_path):
+    with store.session(_run(tmp_path, "offline"), read_only=True) as con:
+        speed = _speed(con)
         for build in ("bf16", "g128"):
             offline = speed[("vllm", "offline", build)]
             assert offline["output_tokens"] == 16 * 32 and offline["kv_cache_tokens"] > 0 and offline["kv_cache_bytes"] > 0
             lat = speed[("vllm", "latency", build)]
             assert lat["bandwidth_gbps"] > 1000 and lat["weight_bytes_per_token"] > 0
             assert 0 < lat["roofline_fraction"] < 1.2
-        hf = speed[("transformers", "latency", "bf16")]
-        assert hf["torch_peak_bytes"] > 0 and hf["nvml_peak_bytes"] > 0 and 0 < hf["roofline_fraction"] < 1.2
-        assert speed[("transformers", "latency-compile", "bf16")]["tpot_ms"] > 0
-        assert "spec_decode" in json.loads(speed[("vllm", "latency-ngram", "bf16")]["details"])
         (cc,) = store.rows(con, "SELECT * FROM vllm_crosscheck")
         assert cc["bench_output_tokens_per_s"] > 0 and abs(cc["output_gap_pct"]) < 90
+
+
+def test_transformers_bf16_and_w4a16_with_allocator_and_nvml_peaks(tmp_path):
+    with store.session(_run(tmp_path, "transformers"), read_only=True) as con:
+        speed = _speed(con)
+        hf = speed[("transformers", "latency", "bf16")]
+        assert hf["torch_peak_bytes"] > 0 and hf["nvml_peak_bytes"] > 0 and 0 < hf["roofline_fraction"] < 1.2
+        assert speed[("transformers", "offline", "g128")]["output_tokens"] == 16 * 32
+
+
+def test_vllm_serve_percentiles_and_goodput(tmp_path):
+    with store.session(_run(tmp_path, "serving"), read_only=True) as con:
         pct = {r["load"]: r for r in store.rows(con, "SELECT * FROM latency_percentiles")}
         assert set(pct) == {"c=1", "c=4", "rate=20"}
         assert all(r["completed"] == r["requests"] and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in pct.values())
         good = store.rows(con, "SELECT * FROM serving_goodput")
         assert all(g["good_requests"] == g["completed"] for g in good)
-        assert speed[("vllm", "serving", "bf16")]["kv_cache_tokens"] > 0
+        assert _speed(con)[("vllm", "serving", "bf16")]["kv_cache_tokens"] > 0
+
+
+def test_levers_ngram_speculation_and_transformers_compile(tmp_path):
+    with store.session(_run(tmp_path, "levers"), read_only=True) as con:
+        speed = _speed(con)
+        assert speed[("transformers", "latency-compile", "bf16")]["tpot_ms"] > 0
+        assert "spec_decode" in json.loads(speed[("vllm", "latency-ngram", "bf16")]["details"])

@@ -1,0 +1,125 @@
+"""Prefect task caching for the download and quantize steps, kept under the work dir.
+
+A download is keyed by what identifies the checkpoint before fetching it (a hub commit sha, a local
+folder's content hash, a GGUF file's hash and the converter's versions); a build by the variant uid,
+which is the model sha + recipe hash + quantizer library versions (+ the calibration data). Cache
+records and results live in `<workdir>/cache/`, so every run and every worker that shares the work
+dir shares them, and a run that crashed resumes at the first step without a cache record.
+
+A cache hit is only trusted when the checkpoint it names is still on disk (and, for a build, when
+the build succeeded); otherwise the step runs again and refreshes the record. Builds keep their own
+reuse (marker file, warehouse row) beneath this: the cache only saves recomputing what they check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.states import State
+
+from quantgate.catalog.schema import CalibrationSpec, GgufSource, HubSource, LocalSource, ModelSpec, VariantSpec
+from quantgate.tasks import download, quantize
+from quantgate.tasks.records import ModelArtifact, VariantArtifact
+
+CACHE_DIR = "cache"
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def download_key(spec: ModelSpec, cache_dir: Path) -> str | None:
+    """Cache key of a download, or None (not cached) where the checkpoint is not known before fetching:
+    a hub branch or tag may move, so only a pinned commit is cached."""
+    src = spec.source
+    if isinstance(src, HubSource):
+        if not _COMMIT.match(src.revision):
+            return None
+        ident: dict[str, Any] = {"hub": src.repo_id, "sha": src.revision}
+    elif isinstance(src, LocalSource):
+        folder = Path(src.path).expanduser().resolve()
+        if not (folder / "config.json").is_file():
+            return None  # the step itself reports what is wrong with the folder
+        ident = {"local": str(folder), "sha": download.folder_sha256(folder, cache_dir)}
+    elif isinstance(src, GgufSource):
+        try:
+            gguf = download._locate_gguf(spec.id, src)
+        except download.DownloadError:
+            return None
+        hashes = download._HashCache(cache_dir / download.HASH_CACHE)
+        sha = hashes.sha256(gguf)
+        hashes.save()
+        ident = {"gguf": sha, "libs": {k: v for k, v in quantize.lib_versions().items() if k == "transformers"}}
+    else:
+        return None
+    return f"download-{_digest({'model': spec.id, **ident})[:32]}"
+
+
+def quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec) -> str:
+    """Cache key of a build: the variant uid (model sha + recipe hash + library versions [+ calibration])."""
+    _, recipe_hash = quantize.recipe_for(spec)
+    calibration = None
+    if spec.needs_calibration:
+        calibration = quantize.calibration_fingerprint(quantize.load_calibration(calib), calib.seq_len)
+    uid = quantize.variant_uid(model, recipe_hash, quantize.lib_versions(), calibration)
+    # The name is part of the key: the artifact carries it, and two names may share one recipe.
+    return f"quantize-{uid}-{_digest([spec.name, model.uid])[:8]}"
+
+
+def _download_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
+    return download_key(parameters["spec"], Path(parameters["cache_dir"]))
+
+
+def _quantize_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
+    return quantize_key(parameters["model"], parameters["spec"], parameters["calib"])
+
+
+def _options(root: Path, key_fn: Callable[[Any, dict[str, Any]], str | None]) -> dict[str, Any]:
+    cache = Path(root) / CACHE_DIR
+    return {
+        "cache_policy": CacheKeyFnPolicy(cache_key_fn=key_fn).configure(key_storage=cache / "keys"),
+        "persist_result": True,
+        "result_storage": cache / "results",
+    }
+
+
+def _run(task: Any, args: tuple, trusted: Callable[[Any], bool], tags: list[str], name: str) -> tuple[Any, bool]:
+    """Run `task`; on a cache hit whose result is no longer trusted, run it again with a fresh record."""
+    task = task.with_options(tags={*task.tags, *tags}, task_run_name=name)
+    state: State = task(*args, return_state=True)
+    result = state.result()
+    if state.name == "Cached" and not trusted(result):
+        state = task.with_options(refresh_cache=True)(*args, return_state=True)
+        result = state.result()
+    return result, state.name == "Cached"
+
+
+def download_cached(spec: ModelSpec, root: Path) -> ModelArtifact:
+    """download_task with its result cached under `root`/cache (models land in `root`/models)."""
+    task = download.download_task.with_options(**_options(root, _download_key_fn))
+    model, _ = _run(task, (spec, root / "models"), lambda m: (Path(m.path) / "config.json").is_file(),
+                    [f"model:{spec.id}"], f"download {spec.id}")
+    return model
+
+
+def build_cached(
+    model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec, root: Path,
+    existing: Callable[[str], dict | None] | None = None,
+) -> VariantArtifact:
+    """build_variant_task with its result cached under `root`/cache; a cache hit is a reuse."""
+    task = quantize.build_variant_task.with_options(**_options(root, _quantize_key_fn))
+
+    def trusted(v: VariantArtifact) -> bool:
+        return v.ok and v.path is not None and (Path(v.path) / quantize.MARKER).is_file()
+
+    variant, hit = _run(task, (model, spec, calib, root / "variants", existing), trusted,
+                        [f"model:{model.model_id}", f"variant:{spec.name}"], f"quantize {model.model_id}/{spec.name}")
+    return replace(variant, reused=True) if hit else variant
