@@ -282,6 +282,9 @@ class LoadRun:
     duration_s: float
     model: str
     config: dict[str, Any]
+    # What the server said about itself while answering: response headers (server, ...) and the
+    # stream's `model` and `system_fingerprint` fields, from the first successful request.
+    server_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -308,7 +311,7 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
 
 def run_load(
     base_url: str,
-    prompts: list[list[int]],
+    prompts: Sequence[list[int] | str],
     output_len: int,
     *,
     max_concurrency: int | None = None,
@@ -319,9 +322,15 @@ def run_load(
     warmup: int = 0,
     timeout_s: float = 6 * 3600,
     extra_body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    vllm_extras: bool = True,
 ) -> LoadRun:
-    """Send every prompt (token ids) to {base_url}/v1/completions, streaming, greedy, exactly
-    `output_len` tokens each when `ignore_eos`. `warmup` requests go first and are not recorded."""
+    """Send every prompt (token ids, or text for servers that take only text) to
+    {base_url}/v1/completions, streaming, greedy, exactly `output_len` tokens each when `ignore_eos`.
+    `warmup` requests go first and are not recorded. `headers` go with every request (an
+    Authorization header for a hosted API). Without `vllm_extras` the body keeps to the OpenAI
+    Completions fields: no `ignore_eos` / `min_tokens` (servers that reject unknown fields), so a
+    request may stop early at EOS; its output tokens are then the usage chunk's count."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ServingError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
     if output_len < 1:
@@ -339,13 +348,15 @@ def run_load(
             warmup=warmup,
             timeout_s=timeout_s,
             extra_body=extra_body or {},
+            headers=headers or {},
+            vllm_extras=vllm_extras,
         )
     )
 
 
 async def _run_load(
     base_url: str,
-    prompts: list[list[int]],
+    prompts: Sequence[list[int] | str],
     output_len: int,
     *,
     max_concurrency: int | None,
@@ -356,6 +367,8 @@ async def _run_load(
     warmup: int,
     timeout_s: float,
     extra_body: dict[str, Any],
+    headers: dict[str, str],
+    vllm_extras: bool,
 ) -> LoadRun:
     import aiohttp
 
@@ -363,15 +376,16 @@ async def _run_load(
     # aiohttp caps a session at 100 connections by default; 0 lifts the cap so only the semaphore limits.
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, limit_per_host=max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    seen: dict[str, Any] = {}
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         model = model or await _first_model(session, base_url)
         url = f"{base_url}/v1/completions"
-        body = {**_payload(output_len, ignore_eos), **extra_body, "model": model}
+        body = {**_payload(output_len, ignore_eos, vllm_extras), **extra_body, "model": model}
         slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
 
         async def warm(i: int) -> None:
             async with slots:
-                await _stream_one(session, url, body, prompts[i % len(prompts)], i, time.perf_counter())
+                await _stream_one(session, url, body, prompts[i % len(prompts)], i, time.perf_counter(), seen)
 
         await asyncio.gather(*(warm(i) for i in range(warmup)))
 
@@ -380,7 +394,7 @@ async def _run_load(
         async def one(i: int) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
             async with slots:
-                record = await _stream_one(session, url, body, prompts[i], i, start)
+                record = await _stream_one(session, url, body, prompts[i], i, start, seen)
             record.arrival_offset_s = offsets[i]
             return record
 
@@ -393,21 +407,29 @@ async def _run_load(
         "request_rate": None if math.isinf(request_rate) else request_rate,
         "seed": seed,
         "ignore_eos": ignore_eos,
+        "vllm_extras": vllm_extras,
         "warmup": warmup,
     }
-    return LoadRun(records=list(records), duration_s=duration, model=model, config=config)
+    return LoadRun(records=list(records), duration_s=duration, model=model, config=config, server_info=seen)
 
 
-def _payload(output_len: int, ignore_eos: bool) -> dict[str, Any]:
-    return {
+def _payload(output_len: int, ignore_eos: bool, vllm_extras: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "max_tokens": output_len,
-        # min_tokens masks EOS like the offline engines do, so every request yields exactly output_len.
-        "min_tokens": output_len if ignore_eos else 0,
-        "ignore_eos": ignore_eos,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if vllm_extras:
+        # min_tokens masks EOS like the offline engines do, so every request yields exactly output_len.
+        body["min_tokens"] = output_len if ignore_eos else 0
+        body["ignore_eos"] = ignore_eos
+    return body
+
+
+# Response headers that name the server or its version, kept with the results (never request headers,
+# which carry the API key).
+_IDENTITY_HEADERS = ("server", "x-powered-by", "openai-version", "openai-model", "x-model-id", "x-served-by")
 
 
 async def _first_model(session: Any, base_url: str) -> str:
@@ -421,13 +443,15 @@ async def _first_model(session: Any, base_url: str) -> str:
 
 
 async def _stream_one(
-    session: Any, url: str, body: dict[str, Any], prompt: list[int], index: int, run_start: float
+    session: Any, url: str, body: dict[str, Any], prompt: list[int] | str, index: int, run_start: float,
+    seen: dict[str, Any] | None = None,
 ) -> RequestRecord:
     record = RequestRecord(
         index=index,
         success=False,
         error=None,
-        prompt_len=len(prompt),
+        # A text prompt's token count is the server's to say (usage.prompt_tokens).
+        prompt_len=0 if isinstance(prompt, str) else len(prompt),
         output_tokens=0,
         ttft_s=None,
         itl_s=[],
@@ -441,12 +465,14 @@ async def _stream_one(
     last = st
     chunks = 0
     usage_tokens: int | None = None
+    stream_identity: dict[str, Any] = {}
     try:
         async with session.post(url, json={**body, "prompt": prompt}) as response:
             if response.status != 200:
                 text = (await response.text())[:200].replace("\n", " ")
                 record.error = f"HTTP {response.status}: {text}"
                 return record
+            stream_identity = {f"header.{h}": response.headers[h] for h in _IDENTITY_HEADERS if h in response.headers}
             decoder = codecs.getincrementaldecoder("utf-8")()
             buffer = ""
             async for raw in response.content.iter_any():
@@ -461,14 +487,17 @@ async def _stream_one(
                         err = data["error"]
                         record.error = f"server error: {err.get('message', err) if isinstance(err, dict) else err}"
                         return record
-                    if data.get("choices"):
+                    for key in ("model", "system_fingerprint"):
+                        if data.get(key) and key not in stream_identity:
+                            stream_identity[key] = data[key]
+                    if _carries_token(data):
                         if chunks == 0:
                             record.ttft_s = now - st
                         else:
                             record.itl_s.append(now - last)
                         last = now
                         chunks += 1
-                    elif usage := data.get("usage"):
+                    if usage := data.get("usage"):
                         usage_tokens = usage.get("completion_tokens")
                         record.prompt_len = usage.get("prompt_tokens") or record.prompt_len
                         record.server_metrics = data.get("metrics")
@@ -479,12 +508,28 @@ async def _stream_one(
         record.error = "the stream carried no token chunk"
         return record
     record.success = True
+    if seen is not None and not seen:
+        seen.update(stream_identity)
     record.e2el_s = last - st
     # Without a usage chunk, count chunks: exact only when each chunk carries one token.
     record.output_tokens = usage_tokens if usage_tokens is not None else chunks
     if record.output_tokens > 1:
         record.tpot_s = (record.e2el_s - record.ttft_s) / (record.output_tokens - 1)
     return record
+
+
+def _carries_token(data: dict[str, Any]) -> bool:
+    """Whether a chunk with choices streams output. vLLM sends usage in a chunk of its own with no
+    choices; other servers (transformers serve) put it on a closing chunk whose choice has empty text
+    and only a finish_reason: that closing chunk is no token and must not add an ITL gap."""
+    choices = data.get("choices")
+    if not choices:
+        return False
+    choice = choices[0]
+    text = choice.get("text")
+    if text is None and isinstance(choice.get("delta"), dict):
+        text = choice["delta"].get("content")
+    return not (text == "" and (choice.get("finish_reason") or data.get("usage")))
 
 
 def _sse_data(line: str) -> dict[str, Any] | None:
@@ -633,6 +678,7 @@ class ServingLoad:
     records: list[RequestRecord]
     duration_s: float
     energy_j: float | None = None
+    server_info: dict[str, Any] = field(default_factory=dict)
 
 
 _KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -783,31 +829,49 @@ def drive_loads(
     server: ServerHandle,
     scenario: ScenarioSpec,
     sizes: list[tuple[str, int | None, float | None, int]],
-    prompts: list[list[int]],
+    prompts: Sequence[list[int] | str],
     telemetry: Telemetry,
     deadline: float,
 ) -> list[ServingLoad]:
     """Run the loads in order until the time is up; those not started are left out."""
+    if deadline <= time.monotonic():
+        return []
+    return run_loads(server.base_url, server.model, scenario, sizes, prompts, telemetry, deadline)
+
+
+def run_loads(
+    base_url: str,
+    model: str | None,
+    scenario: ScenarioSpec,
+    sizes: list[tuple[str, int | None, float | None, int]],
+    prompts: Sequence[list[int] | str],
+    telemetry: Telemetry | None,
+    deadline: float,
+    **client: Any,
+) -> list[ServingLoad]:
+    """The loads of a serving scenario against any OpenAI-compatible server at `base_url`, in order,
+    until the time is up; `client` goes to run_load (headers, vllm_extras)."""
     loads = []
     for label, concurrency, rate, n in sizes:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        before = telemetry.energy_mj()
+        before = telemetry.energy_mj() if telemetry else None
         run = run_load(
-            server.base_url,
-            prompts[:n],
+            base_url,
+            list(prompts[:n]),
             scenario.output_len,
             max_concurrency=concurrency,
             request_rate=rate or math.inf,
             seed=scenario.seed,
-            model=server.model,
+            model=model,
             warmup=scenario.warmup,
             timeout_s=remaining,
+            **client,
         )
-        after = telemetry.energy_mj()
+        after = telemetry.energy_mj() if telemetry else None
         energy = (after - before) / 1000 if before is not None and after is not None and after > before else None
-        loads.append(ServingLoad(label, concurrency, rate, run.records, run.duration_s, energy))
+        loads.append(ServingLoad(label, concurrency, rate, run.records, run.duration_s, energy, run.server_info))
     return loads
 
 
