@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -152,6 +152,55 @@ class SpeculativeSpec(Strict):
 
 EngineName = Literal["transformers", "vllm"]
 
+# vLLM 0.26's mixed-precision (W4A16 and kin) linear kernels, by class name. vLLM takes the first one in
+# its priority order that can run the layer on the GPU; VLLM_DISABLED_KERNELS (comma-separated class
+# names) takes kernels out of the running, so forcing one means disabling the others.
+MP_KERNELS = (
+    "CutlassW4A8LinearKernel", "MacheteLinearKernel", "AllSparkLinearKernel", "MarlinLinearKernel",
+    "ConchLinearKernel", "ExllamaLinearKernel", "BitBLASLinearKernel", "Dynamic4bitLinearKernel",
+)
+
+
+class SweepSpec(Strict):
+    """A serving scenario's sweep over the vLLM settings that matter for a variant. Each point is a
+    normal serving run with a few settings changed from vLLM's defaults (`default`, always run first).
+
+    one-at-a-time: each listed value of each setting alone (1 + Σ values that differ from the default);
+    grid: every combination. max_num_seqs null and kernel 'auto' are vLLM's own choice; enforce_eager
+    false keeps CUDA graphs on; kv_cache_dtype 'auto' stores the KV cache in the model's dtype."""
+
+    max_num_seqs: tuple[Annotated[int, Field(ge=1)] | None, ...] = ()
+    enforce_eager: tuple[bool, ...] = ()
+    kv_cache_dtype: tuple[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], ...] = ()
+    kernel: tuple[str, ...] = ()
+    mode: Literal["one-at-a-time", "grid"] = "one-at-a-time"
+
+    DEFAULTS: ClassVar[dict[str, Any]] = {"max_num_seqs": None, "enforce_eager": False,
+                                          "kv_cache_dtype": "auto", "kernel": "auto"}
+
+    @field_validator("kernel")
+    @classmethod
+    def _known_kernel(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for k in v:
+            if k != "auto" and k not in MP_KERNELS:
+                raise ValueError(f"unknown kernel {k!r}: use 'auto' or one of {list(MP_KERNELS)}")
+        return v
+
+    def points(self) -> list[dict[str, Any]]:
+        """The settings of each point that differ from vLLM's defaults; the first is {} (the defaults)."""
+        levers = {k: [x for x in dict.fromkeys(getattr(self, k)) if x != d] for k, d in self.DEFAULTS.items()}
+        if self.mode == "one-at-a-time":
+            return [{}] + [{k: x} for k, xs in levers.items() for x in xs]
+        grid: list[dict[str, Any]] = [{}]
+        for k, xs in levers.items():
+            grid = [{**g, **extra} for g in grid for extra in ({}, *({k: x} for x in xs))]
+        return grid
+
+
+def sweep_label(point: dict[str, Any]) -> str:
+    """A sweep point's name on its rows: 'default', or its settings, e.g. 'kv_cache_dtype=fp8,max_num_seqs=64'."""
+    return ",".join(f"{k}={point[k]}" for k in sorted(point)) or "default"
+
 
 class ScenarioSpec(Strict):
     """A speed workload. Same prompts and output lengths for every engine (EOS ignored).
@@ -193,6 +242,8 @@ class ScenarioSpec(Strict):
     request_rates: tuple[Annotated[float, Field(gt=0)], ...] = ()
     rounds: int | None = Field(default=None, ge=1)
     slo: SloSpec | None = None
+    # serving only: run the scenario once per point of a sweep of vLLM settings (each a normal serving run).
+    sweep: SweepSpec | None = None
 
     @field_validator("repetitions")
     @classmethod
@@ -209,7 +260,9 @@ class ScenarioSpec(Strict):
     @model_validator(mode="after")
     def _consistent(self) -> ScenarioSpec:
         serving_only = {"concurrency": self.concurrency, "request_rates": self.request_rates,
-                        "rounds": self.rounds, "slo": self.slo}
+                        "rounds": self.rounds, "slo": self.slo, "sweep": self.sweep}
+        if self.sweep is not None and self.enforce_eager and self.sweep.enforce_eager:
+            raise ValueError("a sweep over enforce_eager needs the scenario's enforce_eager false (vLLM's default)")
         if self.kind == "serving":
             if not (self.concurrency or self.request_rates):
                 raise ValueError("a serving scenario needs concurrency levels or request_rates")
@@ -279,6 +332,8 @@ class GpuSuiteSpec(Strict):
     base_build: str
     scenarios: dict[str, ScenarioSpec]
     steps: tuple[SuiteStep, ...]
+    # As the catalog's gpu_prices; None: the packaged catalog's (catalog/models.yaml).
+    gpu_prices: dict[str, Annotated[float, Field(gt=0)]] | None = None
 
     @model_validator(mode="after")
     def _references_resolve(self) -> GpuSuiteSpec:
@@ -299,6 +354,8 @@ class GpuSuiteSpec(Strict):
                 engine = step.engine.removesuffix("-bench").removesuffix("-serve")
                 if engine not in s.engines:
                     raise ValueError(f"steps.{i}: scenario {name!r} does not list engine {engine!r}")
+            if any(self.scenarios[n].sweep for n in step.scenarios) and step.engine != "vllm-serve":
+                raise ValueError(f"steps.{i}: a sweep scenario runs on engine vllm-serve")
             if step.engine in ("vllm-bench", "vllm-serve") and len(step.scenarios) != 1:
                 raise ValueError(f"steps.{i}: a {step.engine} step takes exactly one scenario")
         return self
@@ -384,6 +441,28 @@ class WatchSpec(Strict):
     limit: int = Field(default=20, ge=1, le=1000)
 
 
+class EndpointSpec(Strict):
+    """An OpenAI-compatible server benchmarked by URL (`quantgate bench-endpoint NAME`): vllm serve,
+    SGLang, Ollama, TensorRT-LLM's server, a hosted API. Its serving scenarios' loads, lengths, seed and
+    SLO apply; their vLLM engine levers do not (the server is configured where it runs).
+
+    api_key_env names the environment variable that holds the API key; the key itself is never written
+    anywhere. Prompts are text unless prompt_format is 'tokens' (token ids, as vLLM and SGLang accept):
+    the tokenizer folder's random ids decoded, or seeded words when there is no tokenizer.
+    vllm_extras sends ignore_eos/min_tokens for exact output lengths (servers that reject unknown fields
+    must leave it off; outputs may then stop early at EOS). device and num_devices price its tokens."""
+
+    url: str = Field(pattern=r"^https?://")
+    model: str
+    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    scenarios: tuple[str, ...] = ()
+    prompt_format: Literal["text", "tokens"] = "text"
+    tokenizer: str | None = None
+    vllm_extras: bool = False
+    device: str | None = None
+    num_devices: int = Field(default=1, ge=1)
+
+
 class Catalog(Strict):
     version: Literal[1]
     variants: dict[str, VariantSpec]
@@ -393,6 +472,11 @@ class Catalog(Strict):
     policy: Policy
     # Authors/families on the hub whose new releases `watch-releases` evaluates.
     watch: tuple[WatchSpec, ...] = ()
+    # OpenAI-compatible servers to benchmark by URL.
+    endpoints: dict[str, EndpointSpec] = {}
+    # US$ per hour of one device, by the device name the speed rows store (NVML's, e.g. "NVIDIA H200"),
+    # and "cpu" for rows measured on the CPU. Each run stores the table it used (run_prices).
+    gpu_prices: dict[str, Annotated[float, Field(gt=0)]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -417,6 +501,12 @@ class Catalog(Strict):
                     raise ValueError(f"models.{i}.scenarios: unknown scenario {s!r}; defined: {sorted(self.scenarios)}")
         if self.policy.speed and self.policy.speed.scenario not in self.scenarios:
             raise ValueError(f"policy.speed.scenario: unknown scenario {self.policy.speed.scenario!r}")
+        for name, e in self.endpoints.items():
+            for sc in e.scenarios:
+                if sc not in self.scenarios:
+                    raise ValueError(f"endpoints.{name}.scenarios: unknown scenario {sc!r}; defined: {sorted(self.scenarios)}")
+                if self.scenarios[sc].kind != "serving":
+                    raise ValueError(f"endpoints.{name}.scenarios: {sc!r} is {self.scenarios[sc].kind}, an endpoint runs serving scenarios")
         ids = [m.id for m in self.models]
         if len(ids) != len(set(ids)):
             raise ValueError(f"models: ids must be unique, got {ids}")
@@ -509,7 +599,9 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
     scenarios = {
         name: s.model_copy(update={"prompts_file": resolve(s.prompts_file)}) for name, s in catalog.scenarios.items()
     }
-    return catalog.model_copy(update={"models": tuple(models), "suites": suites, "scenarios": scenarios})
+    endpoints = {name: e.model_copy(update={"tokenizer": resolve(e.tokenizer)}) for name, e in catalog.endpoints.items()}
+    return catalog.model_copy(update={"models": tuple(models), "suites": suites, "scenarios": scenarios,
+                                      "endpoints": endpoints})
 
 
 def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None,

@@ -98,6 +98,43 @@ def gpu_suite_cmd(
     _print_rows(steps, ["step_index", "part", "engine", "build", "status", "seconds", "reason"])
 
 
+@app.command("bench-endpoint")
+def bench_endpoint_cmd(
+    target: Annotated[str, typer.Argument(help="base URL of an OpenAI-compatible server, or an endpoint name of the catalog")],
+    model: Annotated[Optional[str], typer.Option(help="the served model name to request (with a URL)")] = None,
+    scenario: Annotated[Optional[str], typer.Option(help="comma-separated serving scenarios of the catalog")] = None,
+    api_key_env: Annotated[Optional[str], typer.Option(
+        help="environment variable that holds the API key (sent as a Bearer token; never stored)")] = None,
+    prompt_format: Annotated[Optional[str], typer.Option(help="text (default) or tokens (token-id prompts)")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="tokenizer folder: the scenario's prompts as every engine gets them")] = None,
+    vllm_extras: Annotated[Optional[bool], typer.Option(
+        "--vllm-extras/--no-vllm-extras", help="send ignore_eos/min_tokens for exact output lengths")] = None,
+    device: Annotated[Optional[str], typer.Option(help="device kind serving it, for cost (a gpu_prices key, e.g. 'NVIDIA H200')")] = None,
+    num_devices: Annotated[Optional[int], typer.Option(help="devices serving it (e.g. its tensor-parallel size), for cost")] = None,
+    variant_uid: Annotated[Optional[str], typer.Option(help="attach the rows to this built variant instead of the endpoint's own")] = None,
+    timeout_s: Annotated[float, typer.Option(help="seconds per scenario")] = 900.0,
+    catalog: CatalogOpt = None,
+    warehouse: WarehouseOpt = None,
+) -> None:
+    """Benchmark any OpenAI-compatible server by URL with a serving scenario (TTFT, TPOT, ITL, goodput, cost)."""
+    from quantgate.flows.bench_endpoint import bench_endpoint_flow
+
+    if prompt_format not in (None, "text", "tokens"):
+        raise typer.BadParameter(f"unknown prompt format {prompt_format!r}: use text or tokens", param_hint="--prompt-format")
+    is_url = target.startswith(("http://", "https://"))
+    if is_url and not model:
+        raise typer.BadParameter("a URL needs --model (the served model name)", param_hint="--model")
+    rows = bench_endpoint_flow(
+        url=target if is_url else None, model=model, scenarios=_names(scenario), endpoint=None if is_url else target,
+        api_key_env=api_key_env, prompt_format=prompt_format, tokenizer=str(tokenizer) if tokenizer else None,
+        vllm_extras=vllm_extras, device=device, num_devices=num_devices, variant_uid=variant_uid,
+        catalog=str(catalog) if catalog else None, warehouse=str(warehouse) if warehouse else None, timeout_s=timeout_s)
+    _print_rows(rows, ["scenario", "status", "server", "server_version", "tokens_per_s", "ttft_ms", "tpot_ms",
+                       "usd_per_million_output_tokens_at_slo", "slo_load", "reason"])
+    if any(r["status"] != "ok" for r in rows):
+        raise typer.Exit(1)
+
+
 @app.command()
 def deploy(
     repo: Annotated[Optional[Path], typer.Option(help="checkout with prefect.yaml that workers run (default: this one)")] = None,

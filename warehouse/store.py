@@ -611,3 +611,25 @@ def record_trigger(con, model_id: str, sha: str, source: str, flow_run_id: str |
             [model_id, sha, source, flow_run_id, _now()],
         ).fetchall()
     return bool(inserted)
+
+
+# --- cost and endpoints ------------------------------------------------------------------------
+
+
+def record_prices(con, run_id: str, prices: dict[str, float], catalog_hash: str | None = None) -> None:
+    """The price table (US$ per device-hour by device kind) a run's costs are computed with."""
+    with transaction(con):
+        con.execute("DELETE FROM run_prices WHERE run_id = ?", [run_id])
+        for device, usd in sorted(prices.items()):
+            con.execute("INSERT INTO run_prices VALUES (?, ?, ?, ?, ?)", [run_id, device, float(usd), catalog_hash, _now()])
+
+
+def record_endpoint(con, run_id: str, variant_uid: str, engine: str, scenario: str, base_url: str, model: str,
+                    identity: dict[str, Any]) -> None:
+    """The server behind an endpoint run: its name and version where it exposes them, and what it said."""
+    with transaction(con):
+        con.execute(
+            "INSERT OR REPLACE INTO serving_endpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [run_id, variant_uid, engine, scenario, base_url, model, identity.get("server"),
+             identity.get("server_version"), _json(identity), _now()],
+        )

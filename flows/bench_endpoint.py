@@ -1,0 +1,126 @@
+"""bench-endpoint: benchmark an OpenAI-compatible server by URL with the serving scenarios of the catalog,
+into the warehouse (engine "endpoint"; rows in speed_results, serving_loads, serving_requests, and the
+server's identity in serving_endpoints).
+
+The rows belong to a variant: one named after the endpoint's model (method "endpoint"), or an existing
+variant (`variant_uid`) when the server serves a build quantgate made. The API key is read from the
+environment variable named by `api_key_env` and never stored.
+
+    python -m quantgate.flows.cli bench-endpoint http://127.0.0.1:8000 --model my-model --scenario endpoint-serving
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import platform
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, ScenarioSpec, load_catalog
+from quantgate.tasks.endpoint import ENGINE, Target, bench_endpoint
+from quantgate.tasks.errors import one_line
+from quantgate.tasks.records import SpeedResult, VariantArtifact
+from quantgate.tasks.serving import Slo
+from quantgate.warehouse import store
+
+FLOW_NAME = "bench-endpoint"
+
+
+def endpoint_variant(target: Target) -> VariantArtifact:
+    """The variant an endpoint's rows belong to when no built variant is named: one per (URL, model)."""
+    key = hashlib.sha256(f"{target.base_url}|{target.model}".encode()).hexdigest()[:12]
+    return VariantArtifact(uid=f"endpoint:{target.model}@{key}", model_uid=f"endpoint:{target.model}",
+                           name=target.model, method="endpoint", scheme=None, bits=None, group_size=None,
+                           path=target.base_url, recipe=None, recipe_hash=None)
+
+
+@task(name="bench-endpoint-scenario", cache_policy=NO_CACHE, task_run_name="{name}")
+def _bench(target: Target, name: str, scenario: ScenarioSpec, timeout_s: float, wh: str, run_id: str,
+           variant_uid: str) -> SpeedResult:
+    result, loads, identity = bench_endpoint(target, name, scenario, timeout_s=timeout_s)
+    with store.session(wh) as con:
+        if loads:
+            store.record_serving(con, run_id, variant_uid, ENGINE, name, loads,
+                                 Slo(**scenario.slo.model_dump()) if scenario.slo else None)
+        if identity:
+            store.record_endpoint(con, run_id, variant_uid, ENGINE, name, target.base_url, target.model, identity)
+        store.record_speed(con, run_id, variant_uid, [result])
+    return result
+
+
+@flow(name=FLOW_NAME, log_prints=True)
+def bench_endpoint_flow(
+    url: str | None = None,
+    model: str | None = None,
+    scenarios: list[str] | None = None,
+    endpoint: str | None = None,
+    api_key_env: str | None = None,
+    prompt_format: str | None = None,
+    tokenizer: str | None = None,
+    vllm_extras: bool | None = None,
+    device: str | None = None,
+    num_devices: int | None = None,
+    variant_uid: str | None = None,
+    catalog: str | None = None,
+    warehouse: str | None = None,
+    timeout_s: float = 900.0,
+) -> list[dict]:
+    """Benchmark a catalog endpoint (`endpoint`) or a URL + model; options given here override the catalog's."""
+    log = get_run_logger()
+    cat_path = catalog or str(DEFAULT_CATALOG)
+    cat = load_catalog(cat_path)
+    if endpoint is not None:
+        if endpoint not in cat.endpoints:
+            raise CatalogError(f"unknown endpoint {endpoint!r}: the catalog defines {sorted(cat.endpoints)}")
+        spec = cat.endpoints[endpoint]
+        target = Target.from_spec(spec)
+        scenarios = scenarios or list(spec.scenarios)
+    else:
+        if not (url and model):
+            raise CatalogError("give an endpoint name from the catalog, or a URL and --model")
+        target = Target(url=url, model=model)
+    overrides = {"api_key_env": api_key_env, "prompt_format": prompt_format, "tokenizer": tokenizer,
+                 "vllm_extras": vllm_extras, "device": device, "num_devices": num_devices}
+    target = dataclasses.replace(target, **{k: v for k, v in overrides.items() if v is not None})
+    if url and endpoint is not None:
+        target = dataclasses.replace(target, url=url)
+    if not scenarios:
+        raise CatalogError(f"no scenario given; serving scenarios of the catalog: "
+                           f"{sorted(n for n, s in cat.scenarios.items() if s.kind == 'serving')}")
+    for name in scenarios:
+        if name not in cat.scenarios or cat.scenarios[name].kind != "serving":
+            raise CatalogError(f"unknown serving scenario {name!r}: the catalog's are "
+                               f"{sorted(n for n, s in cat.scenarios.items() if s.kind == 'serving')}")
+    target.api_key()  # a named but unset key variable fails here, before anything is written
+    run_id = str(flow_run.id)
+    wh = warehouse or str(store.default_path())
+    variant = endpoint_variant(target)
+    uid = variant_uid or variant.uid
+    with store.session(wh) as con:
+        store.start_run(con, run_id, FLOW_NAME, target.model, cat_path, cat.hash, platform.node(), {})
+        store.record_prices(con, run_id, cat.gpu_prices, cat.hash)
+        if variant_uid is None:
+            store.record_variant(con, run_id, variant, role="variant")
+        else:
+            con.execute("INSERT INTO run_variants (run_id, variant_uid, role, reused) VALUES (?, ?, 'variant', true)"
+                        " ON CONFLICT DO NOTHING", [run_id, uid])
+    try:
+        for name in scenarios:
+            result = _bench(target, name, cat.scenarios[name], timeout_s, wh, run_id, uid)
+            log.info("%s on %s: %s%s", name, target.base_url, result.status, f" ({result.reason})" if result.reason else "")
+    except Exception as e:
+        with store.session(wh) as con:
+            store.finish_run(con, run_id, error=one_line(e))
+        raise
+    with store.session(wh) as con:
+        store.finish_run(con, run_id)
+        return store.rows(
+            con,
+            "SELECT s.scenario, s.status, s.reason, s.tokens_per_s, s.ttft_ms, s.tpot_ms, e.server, e.server_version,"
+            " c.usd_per_million_output_tokens, c.usd_per_million_output_tokens_at_slo, c.slo_load"
+            " FROM speed_results s LEFT JOIN serving_endpoints e USING (run_id, variant_uid, engine, scenario)"
+            " LEFT JOIN variant_cost c USING (run_id, variant_uid, engine, scenario)"
+            " WHERE s.run_id = ? ORDER BY s.scenario", [run_id])

@@ -1,0 +1,48 @@
+-- The sweep of vLLM serving settings per variant (a serving scenario with `sweep`): every point is a normal
+-- serving run whose speed row carries config.sweep = {scenario, point, settings}. A point's goodput at the
+-- SLO is its best load's goodput (good requests per second).
+CREATE OR REPLACE VIEW serving_sweep AS
+SELECT s.run_id, s.variant_uid, s.engine, s.scenario,
+       s.config->>'$.sweep.scenario' AS sweep, s.config->>'$.sweep.point' AS point,
+       s.config->'$.sweep.settings' AS settings, s.status, s.reason, s.details->>'$.kernel' AS kernel,
+       g.goodput_requests_per_s, g.load AS best_load, g.output_tokens_per_s
+FROM speed_results s
+LEFT JOIN (
+    SELECT run_id, variant_uid, engine, scenario,
+           max(goodput_requests_per_s) AS goodput_requests_per_s,
+           arg_max(load, goodput_requests_per_s) AS load,
+           arg_max(output_tokens_per_s, goodput_requests_per_s) AS output_tokens_per_s
+    FROM serving_goodput GROUP BY run_id, variant_uid, engine, scenario
+) g USING (run_id, variant_uid, engine, scenario)
+WHERE s.config->>'$.sweep.scenario' IS NOT NULL;
+
+-- The tuned config per variant and sweep: the point with the highest goodput at the SLO (the default wins
+-- ties), against vLLM's defaults. gain_pct > 0: the tuned config beat the defaults by that much. When the
+-- defaults win, best_other_* says by how much the best other point lost.
+CREATE OR REPLACE VIEW tuned_serving_config AS
+WITH ranked AS (
+    SELECT *, row_number() OVER (PARTITION BY run_id, variant_uid, sweep
+                                 ORDER BY goodput_requests_per_s DESC NULLS LAST, (point = 'default') DESC, point) AS k,
+              row_number() OVER (PARTITION BY run_id, variant_uid, sweep, point = 'default'
+                                 ORDER BY goodput_requests_per_s DESC NULLS LAST, point) AS k_side
+    FROM serving_sweep
+),
+summary AS (
+    SELECT run_id, variant_uid, sweep, count(*) AS points, count(*) FILTER (WHERE status = 'ok') AS points_ok
+    FROM serving_sweep GROUP BY run_id, variant_uid, sweep
+)
+SELECT b.run_id, b.variant_uid, v.name AS variant, b.sweep, b.point AS best_point, b.settings AS best_settings,
+       b.kernel AS best_kernel, b.goodput_requests_per_s AS best_goodput, b.best_load,
+       d.goodput_requests_per_s AS default_goodput, d.best_load AS default_best_load,
+       100 * (b.goodput_requests_per_s - d.goodput_requests_per_s) / nullif(d.goodput_requests_per_s, 0) AS gain_pct,
+       o.point AS best_other_point, o.goodput_requests_per_s AS best_other_goodput,
+       100 * (o.goodput_requests_per_s - d.goodput_requests_per_s) / nullif(d.goodput_requests_per_s, 0)
+           AS best_other_gain_pct,
+       s.points, s.points_ok
+FROM ranked b
+JOIN summary s USING (run_id, variant_uid, sweep)
+JOIN variants v ON v.variant_uid = b.variant_uid
+LEFT JOIN ranked d ON d.run_id = b.run_id AND d.variant_uid = b.variant_uid AND d.sweep = b.sweep AND d.point = 'default'
+LEFT JOIN ranked o ON o.run_id = b.run_id AND o.variant_uid = b.variant_uid AND o.sweep = b.sweep
+                  AND o.point <> 'default' AND o.k_side = 1
+WHERE b.k = 1;
