@@ -117,6 +117,8 @@ def evaluate_model(
             run_id, resumed = store.begin_run(con, attempt_id, "evaluate-model", spec.id,
                                               resume_key(cat, spec, engines),
                                               str(cat_path.resolve()), cat.hash, platform.node(), lib_versions())
+            if not resumed:  # a resumed run keeps the prices its costs were computed with
+                store.record_prices(con, run_id, cat.gpu_prices, cat.hash)
         run = _Run(wh, run_id, attempt_id)
     except store.WarehouseError as e:  # no warehouse to write a run row into
         return Failed(message=str(e))

@@ -29,13 +29,15 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from quantgate.catalog.schema import CATALOG_DIR, GpuSuiteSpec, ScenarioSpec, SuiteStep, load_gpu_suite
+from quantgate.catalog.schema import (
+    CATALOG_DIR, DEFAULT_CATALOG, GpuSuiteSpec, ScenarioSpec, SuiteStep, load_catalog, load_gpu_suite,
+)
 from quantgate.tasks import engines
 from quantgate.tasks.benchmark import engine_options, resolve_device, run_scenarios
 from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
-from quantgate.tasks.serving import Slo, bench_scenario, serve_scenario
+from quantgate.tasks.serving import Slo, bench_scenario, serve_scenario, serve_sweep
 from quantgate.warehouse import store
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
@@ -196,6 +198,14 @@ def _marker(path: Path) -> dict[str, Any] | None:
 # --- the flow ----------------------------------------------------------------------------------
 
 
+def suite_prices(spec: GpuSuiteSpec, spec_hash: str) -> tuple[dict[str, float], str]:
+    """The suite file's gpu_prices, else the packaged catalog's; with the hash of the file they came from."""
+    if spec.gpu_prices is not None:
+        return dict(spec.gpu_prices), spec_hash
+    cat = load_catalog(DEFAULT_CATALOG)
+    return dict(cat.gpu_prices), cat.hash
+
+
 def check_steps(spec: GpuSuiteSpec) -> None:
     """Every engine step's scenarios must need one engine configuration, since they share one start."""
     for i, step in enumerate(spec.steps):
@@ -232,10 +242,15 @@ def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[st
         results = [bench_scenario(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)]
     else:
         ((name, scenario),) = scenarios
-        result, loads = serve_scenario(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)
-        results = [result]
+        if scenario.sweep is not None:
+            # The tuned serving config: one serving run per point; each point's rows stay in the warehouse.
+            runs = serve_sweep(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)
+        else:
+            runs = [serve_scenario(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)]
+        results = [result for result, _ in runs]
         with store.session(wh) as con:
-            store.record_serving(con, run_id, uid, "vllm", name, loads, _slo(scenario))
+            for result, loads in runs:
+                store.record_serving(con, run_id, uid, "vllm", result.scenario, loads, _slo(scenario))
     with store.session(wh) as con:
         store.record_speed(con, run_id, uid, results)
     return _summarise(results)
@@ -293,6 +308,8 @@ def gpu_suite(
     spec_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     with store.session(wh) as con:
         store.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, platform.node(), _versions())
+        prices, prices_from = suite_prices(spec, spec_hash)
+        store.record_prices(con, run_id, prices, prices_from)
     try:
         model, builds = prepare(spec, shape, config, root, {spec.base_build, *(s.build for _, s in steps)})
         with store.session(wh) as con:

@@ -744,6 +744,8 @@ def serve_scenario(
     work_dir: str | Path,
     timeout_s: float = 900.0,
     options: dict[str, Any] | None = None,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> tuple[SpeedResult, list[ServingLoad]]:
     """Start one `vllm serve` for the scenario, drive it through every load in order, stop it (its
     process group, by PID). Never raises for server trouble: the result says skipped or failed.
@@ -767,7 +769,8 @@ def serve_scenario(
                 server = start_server(
                     model_path,
                     port=free_port(),
-                    extra_args=[*vllm_cli_args(used), "--seed", str(used.seed)],
+                    extra_args=[*vllm_cli_args(used), "--seed", str(used.seed), *extra_args],
+                    env=env,
                     log_path=log,
                     ready_timeout_s=max(1.0, deadline - time.monotonic()),
                 )
@@ -798,6 +801,11 @@ def serve_scenario(
     kv_tokens = kv_cache_tokens_from_log(log)
     config = _read_model_config(model_path)
     details: dict[str, Any] = {"best_load": best["load"], "log": str(log)}
+    if extra_args or env:
+        details["serve_args"] = list(extra_args)
+        details["serve_env"] = dict(env or {})
+    if kernel := kernel_from_log(log):
+        details["kernel"] = kernel
     if attempts:
         details["attempts"] = attempts
     if len(loads) < len(sizes):
@@ -823,6 +831,85 @@ def serve_scenario(
         versions=_vllm_versions(),
         details=details,
     ), loads
+
+
+# --- the tuned serving config: a sweep of vLLM settings, each point a normal serving run ----------------
+
+# vLLM logs the mixed-precision kernel it picked for a quantized linear layer ("Using MacheteLinearKernel
+# for CompressedTensorsWNA16").
+_KERNEL = re.compile(r"Using (\w+LinearKernel)\b")
+
+
+def kernel_from_log(path: str | Path) -> str | None:
+    match = _KERNEL.search(_read(Path(path)))
+    return match.group(1) if match else None
+
+
+def sweep_settings(point: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """A sweep point as (engine option overrides, extra `vllm serve` flags, environment). A forced kernel
+    disables every other mixed-precision kernel through VLLM_DISABLED_KERNELS."""
+    from quantgate.catalog.schema import MP_KERNELS
+
+    options: dict[str, Any] = {}
+    args: list[str] = []
+    env: dict[str, str] = {}
+    for key, value in sorted(point.items()):
+        if key == "enforce_eager":
+            options["enforce_eager"] = bool(value)
+        elif key == "max_num_seqs":
+            args += ["--max-num-seqs", str(int(value))]
+        elif key == "kv_cache_dtype":
+            args += ["--kv-cache-dtype", str(value)]
+        elif key == "kernel":
+            env["VLLM_DISABLED_KERNELS"] = ",".join(k for k in MP_KERNELS if k != value)
+        else:
+            raise ServingError(f"unknown sweep setting {key!r}")
+    return options, args, env
+
+
+def sweep_row_name(scenario_name: str, point: dict[str, Any]) -> str:
+    from quantgate.catalog.schema import sweep_label
+
+    return f"{scenario_name}@{sweep_label(point)}"
+
+
+def serve_sweep(
+    model_path: str,
+    scenario_name: str,
+    scenario: ScenarioSpec,
+    *,
+    work_dir: str | Path,
+    timeout_s: float = 900.0,
+    options: dict[str, Any] | None = None,
+    serve: Callable[..., tuple[SpeedResult, list[ServingLoad]]] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[tuple[SpeedResult, list[ServingLoad]]]:
+    """Every point of the scenario's sweep as its own serving run (vLLM's defaults first), each named
+    `<scenario>@<point>` with config.sweep = {scenario, point, settings}. The time left is shared out
+    evenly over the points not yet run; points the time does not reach get a skipped row."""
+    from quantgate.catalog.schema import sweep_label
+
+    if scenario.sweep is None:
+        raise ServingError(f"scenario {scenario_name!r} has no sweep")
+    serve = serve or serve_scenario
+    points = scenario.sweep.points()
+    plain = scenario.model_copy(update={"sweep": None})
+    deadline = clock() + timeout_s
+    out: list[tuple[SpeedResult, list[ServingLoad]]] = []
+    for i, point in enumerate(points):
+        name = sweep_row_name(scenario_name, point)
+        tag = {"scenario": scenario_name, "point": sweep_label(point), "settings": point}
+        remaining = deadline - clock()
+        if remaining <= 1:
+            config = {**plain.model_dump(mode="json"), "sweep": tag}
+            out.append((SpeedResult("vllm", name, "skipped", "sweep: the time was up before this point", config), []))
+            continue
+        overrides, args, env = sweep_settings(point)
+        result, loads = serve(model_path, name, plain, work_dir=Path(work_dir) / f"point{i:02d}",
+                              timeout_s=remaining / (len(points) - i), options={**(options or {}), **overrides},
+                              extra_args=args, env=env)
+        out.append((dataclasses.replace(result, config={**result.config, "sweep": tag}), loads))
+    return out
 
 
 def drive_loads(

@@ -1,0 +1,171 @@
+"""The tuned-serving-config sweep (its plan, vLLM flags and time sharing) and the cost views, on CPU.
+
+The sweep's serving runs need vLLM on a GPU (tests/gpu/test_sweep_gpu.py runs three real points); here the
+serve function handed to serve_sweep is a recorder, so what is tested is the plan: which points, in which
+order, named how, with which flags, environment and time. The views are fed through the store's own writes
+with requests whose timings are chosen, so the picks (best point, load at the SLO, price) are known."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from quantgate.catalog.schema import CatalogError, ScenarioSpec, SweepSpec, load_gpu_suite, sweep_label
+from quantgate.tasks.records import SpeedResult, VariantArtifact
+from quantgate.tasks.serving import RequestRecord, ServingLoad, Slo, serve_sweep, sweep_settings
+from quantgate.warehouse import report, store
+
+
+def test_one_at_a_time_and_grid_points():
+    sweep = SweepSpec(max_num_seqs=[None, 64], enforce_eager=[False, True], kv_cache_dtype=["fp8"],
+                      kernel=["auto", "MarlinLinearKernel"])
+    labels = [sweep_label(p) for p in sweep.points()]
+    # vLLM's own values (null, false, auto) are the default point, not points of their own.
+    assert labels == ["default", "max_num_seqs=64", "enforce_eager=True", "kv_cache_dtype=fp8", "kernel=MarlinLinearKernel"]
+    grid = sweep.model_copy(update={"mode": "grid"}).points()
+    assert len(grid) == 16 and grid[0] == {} and {"max_num_seqs": 64, "enforce_eager": True,
+                                                   "kv_cache_dtype": "fp8", "kernel": "MarlinLinearKernel"} in grid
+    with pytest.raises(ValueError, match="unknown kernel"):
+        SweepSpec(kernel=["FastestKernel"])
+
+
+def test_sweep_settings_become_vllm_flags_and_environment():
+    options, args, env = sweep_settings({"max_num_seqs": 32, "kv_cache_dtype": "fp8", "enforce_eager": True,
+                                         "kernel": "MarlinLinearKernel"})
+    assert options == {"enforce_eager": True}
+    assert args == ["--kv-cache-dtype", "fp8", "--max-num-seqs", "32"]
+    disabled = env["VLLM_DISABLED_KERNELS"].split(",")
+    assert "MarlinLinearKernel" not in disabled and "MacheteLinearKernel" in disabled
+    assert sweep_settings({}) == ({}, [], {})
+
+
+def test_a_sweep_is_rejected_outside_serving_steps(tmp_path):
+    suite = yaml.safe_load(open("catalog/gpu.yaml"))
+    suite["steps"] = [{"part": "x", "engine": "vllm", "build": "w4a16-g128", "scenarios": ["serving-sweep"]}]
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    with pytest.raises(CatalogError):
+        load_gpu_suite(path)
+    # The packaged suite has the W4A16 sweep as a part of its own.
+    spec = load_gpu_suite("catalog/gpu.yaml")
+    (step,) = [s for s in spec.steps if s.part == "sweep-w4a16"]
+    assert step.engine == "vllm-serve" and step.build == "w4a16-g128"
+
+
+def test_serve_sweep_runs_every_point_in_order_and_shares_the_time(tmp_path):
+    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4], slo={"ttft_ms": 100},
+                            sweep={"max_num_seqs": [16], "kernel": ["MarlinLinearKernel"]})
+    now = [0.0]
+    calls = []
+
+    def serve(model_path, name, sc, *, work_dir, timeout_s, options, extra_args, env):
+        calls.append((name, sc.sweep, timeout_s, options, list(extra_args), env))
+        now[0] += 60  # each point takes 60 s
+        return SpeedResult("vllm", name, "ok", None, {"kind": sc.kind}), []
+
+    runs = serve_sweep("/m", "sw", scenario, work_dir=tmp_path, timeout_s=120, serve=serve, clock=lambda: now[0])
+    names = [r.scenario for r, _ in runs]
+    assert names == ["sw@default", "sw@max_num_seqs=16", "sw@kernel=MarlinLinearKernel"]
+    # Each point is a plain serving run (no nested sweep), given its share of what is left.
+    assert [c[1] for c in calls] == [None, None] and [c[2] for c in calls] == [40.0, 30.0]
+    assert calls[1][4] == ["--max-num-seqs", "16"]
+    # All 120 s were gone when the third point was due: it is recorded as skipped, not run.
+    assert runs[2][0].status == "skipped" and len(calls) == 2
+    assert [r.config["sweep"]["point"] for r, _ in runs] == ["default", "max_num_seqs=16", "kernel=MarlinLinearKernel"]
+    assert runs[1][0].config["sweep"] == {"scenario": "sw", "point": "max_num_seqs=16", "settings": {"max_num_seqs": 16}}
+
+
+# --- the views ---------------------------------------------------------------------------------
+
+
+def _requests(n: int, ttft_s: float, tokens: int = 16, tpot_s: float = 0.01, start: int = 0) -> list[RequestRecord]:
+    return [RequestRecord(i, True, None, 32, tokens, ttft_s, [tpot_s] * (tokens - 1), ttft_s + (tokens - 1) * tpot_s,
+                          tpot_s, 0.0, 0.0) for i in range(start, start + n)]
+
+
+def _variant(uid: str) -> VariantArtifact:
+    return VariantArtifact(uid=uid, model_uid="m@1", name=uid, method="dummy", scheme="W4A16", bits=4, group_size=128,
+                           path=None, recipe=None, recipe_hash=None, weights="dummy")
+
+
+def _serving_row(con, run_id, uid, name, loads, slo, config=None, device="NVIDIA H200", status="ok"):
+    tps = max((sum(r.output_tokens for r in ld.records) / ld.duration_s for ld in loads), default=None)
+    store.record_serving(con, run_id, uid, "vllm", name, loads, slo)
+    store.record_speed(con, run_id, uid, [SpeedResult("vllm", name, status, None, config or {}, device=device,
+                                                      tokens_per_s=tps)])
+
+
+@pytest.fixture
+def warehouse(tmp_path):
+    path = tmp_path / "w.duckdb"
+    slo = Slo(ttft_ms=100)
+    with store.session(path) as con:
+        store.start_run(con, "r1", "gpu-suite", "m", "gpu.yaml", "h", "host", {})
+        store.record_prices(con, "r1", {"NVIDIA H200": 3.6, "NVIDIA H": 99.0, "cpu": 0.1}, "h")
+        store.record_variant(con, "r1", _variant("w4"), "variant")
+        store.record_variant(con, "r1", _variant("w4b"), "variant")
+        # The default point: good up to c=8 (16 req/s of goodput); c=32 breaks the TTFT limit.
+        sweep = lambda p, s: {"engine_options": {"tensor_parallel_size": 1}, "sweep": {"scenario": "sw", "point": p, "settings": s}}  # noqa: E731
+        _serving_row(con, "r1", "w4", "sw@default", [
+            ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0),
+            ServingLoad("c=32", 32, None, _requests(8, 0.05) + _requests(24, 0.5, start=8), 1.0)], slo, sweep("default", {}))
+        # max_num_seqs=64 meets the SLO at c=32 too: 32 req/s, the tuned config (+100%).
+        _serving_row(con, "r1", "w4", "sw@max_num_seqs=64", [
+            ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0),
+            ServingLoad("c=32", 32, None, _requests(32, 0.06), 1.0)], slo, sweep("max_num_seqs=64", {"max_num_seqs": 64}))
+        # Variant w4b: the defaults win; the only other point loses 25%.
+        _serving_row(con, "r1", "w4b", "sw@default", [ServingLoad("c=8", 8, None, _requests(8, 0.05), 1.0)], slo,
+                     sweep("default", {}))
+        _serving_row(con, "r1", "w4b", "sw@enforce_eager=True", [ServingLoad("c=8", 8, None, _requests(6, 0.05), 1.0)],
+                     slo, sweep("enforce_eager=True", {"enforce_eager": True}))
+        # An offline row on two GPUs (tensor parallel): twice the device-hours per token.
+        store.record_speed(con, "r1", "w4", [SpeedResult("vllm", "offline-tp2", "ok", None,
+                                                         {"engine_options": {"tensor_parallel_size": 2}},
+                                                         device="NVIDIA H200", tokens_per_s=2000.0)])
+        store.finish_run(con, "r1")
+        # A later run on the same device with a new price: r1's cost must not move.
+        store.start_run(con, "r2", "gpu-suite", "m", "gpu.yaml", "h2", "host", {})
+        store.record_prices(con, "r2", {"NVIDIA H200": 7.2}, "h2")
+        store.record_variant(con, "r2", _variant("w4"), "variant")
+        store.record_speed(con, "r2", "w4", [SpeedResult("vllm", "offline-tp2", "ok", None,
+                                                         {"engine_options": {"tensor_parallel_size": 2}},
+                                                         device="NVIDIA H200", tokens_per_s=2000.0)])
+        store.finish_run(con, "r2")
+    return path
+
+
+def test_tuned_config_beats_or_loses_to_the_defaults(warehouse):
+    with store.session(warehouse, read_only=True) as con:
+        tuned = {r["variant"]: r for r in store.rows(con, "SELECT * FROM tuned_serving_config")}
+    w4 = tuned["w4"]
+    assert w4["best_point"] == "max_num_seqs=64" and w4["best_load"] == "c=32" and w4["points"] == 2
+    assert w4["default_goodput"] == pytest.approx(16.0) and w4["best_goodput"] == pytest.approx(32.0)
+    assert w4["gain_pct"] == pytest.approx(100.0)
+    w4b = tuned["w4b"]
+    assert w4b["best_point"] == "default" and w4b["gain_pct"] == 0
+    assert w4b["best_other_point"] == "enforce_eager=True" and w4b["best_other_gain_pct"] == pytest.approx(-25.0)
+
+
+def test_cost_per_million_tokens_at_peak_and_at_the_slo(warehouse):
+    with store.session(warehouse, read_only=True) as con:
+        cost = {(r["run_id"], r["variant_uid"], r["scenario"]): r for r in store.rows(con, "SELECT * FROM variant_cost")}
+    # Offline, TP=2 at 2000 tok/s and $3.60/h per GPU: 2 × 3.6 / (2000 × 3600) × 1e6 = $1.00 per million.
+    tp2 = cost[("r1", "w4", "offline-tp2")]
+    assert tp2["num_devices"] == 2 and tp2["price_key"] == "NVIDIA H200"  # the longest matching key, not "NVIDIA H"
+    assert tp2["usd_per_million_output_tokens"] == pytest.approx(1.0)
+    assert tp2["slo_load"] is None and not tp2["serving"]
+    # The same figure priced later at twice the rate: the old run keeps its price.
+    assert cost[("r2", "w4", "offline-tp2")]["usd_per_million_output_tokens"] == pytest.approx(2.0)
+    # Serving defaults: c=32 is faster (512 tok/s) but only 25% of its requests meet the SLO; c=8 (256 tok/s) does.
+    d = cost[("r1", "w4", "sw@default")]
+    assert d["tokens_per_s"] == pytest.approx(512.0) and d["slo_load"] == "c=8"
+    assert d["usd_per_million_output_tokens"] == pytest.approx(3.6 / (512 * 3600) * 1e6)
+    assert d["usd_per_million_output_tokens_at_slo"] == pytest.approx(3.6 / (256 * 3600) * 1e6)
+
+
+def test_report_shows_cost_and_the_tuned_config(warehouse):
+    with store.session(warehouse, read_only=True) as con:
+        html = report.render(con)
+    assert "<h2>Cost per million output tokens" in html and "<h2>Tuned serving config" in html
+    assert "max_num_seqs=64" in html and "beat vLLM's defaults by 100%" in html
+    assert "vLLM's defaults won; the best other point (enforce_eager=True) lost by 25%" in html
