@@ -7,6 +7,8 @@ with requests whose timings are chosen, so the picks (best point, load at the SL
 
 from __future__ import annotations
 
+from html import unescape
+
 import pytest
 import yaml
 
@@ -165,7 +167,7 @@ def test_cost_per_million_tokens_at_peak_and_at_the_slo(warehouse):
 
 def test_report_shows_cost_and_the_tuned_config(warehouse):
     with store.session(warehouse, read_only=True) as con:
-        html = report.render(con)
+        html = unescape(report.render(con))
     assert "<h2>Cost per million output tokens" in html and "<h2>Tuned serving config" in html
     assert "max_num_seqs=64" in html and "beat vLLM's defaults by 100%" in html
     assert "vLLM's defaults won; the best other point (enforce_eager=True) lost by 25%" in html

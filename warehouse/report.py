@@ -35,6 +35,23 @@ SELECT * EXCLUDE (rn) FROM (
 ) WHERE rn = 1 ORDER BY model_id, variant, engine, scenario, max_concurrency NULLS LAST, request_rate, load
 """
 
+# Cost of the latest measurement of each (model, variant, engine, scenario), priced with its run's own table.
+_LATEST_COST = """
+SELECT * EXCLUDE (rn) FROM (
+    SELECT r.model_id, v.name AS variant, c.*,
+           row_number() OVER (PARTITION BY r.model_id, c.variant_uid, c.engine, c.scenario ORDER BY r.started_at DESC) AS rn
+    FROM variant_cost c JOIN runs r USING (run_id) JOIN variants v USING (variant_uid)
+    WHERE c.usd_per_hour IS NOT NULL {where}
+) WHERE rn = 1 ORDER BY model_id, variant, engine, scenario
+"""
+_LATEST_TUNED = """
+SELECT * EXCLUDE (rn) FROM (
+    SELECT r.model_id, t.*,
+           row_number() OVER (PARTITION BY r.model_id, t.variant_uid, t.sweep ORDER BY r.started_at DESC) AS rn
+    FROM tuned_serving_config t JOIN runs r USING (run_id) WHERE true {where}
+) WHERE rn = 1 ORDER BY model_id, variant, sweep
+"""
+
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px 32px;color:#212121;max-width:1400px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ccc;padding-bottom:4px}
@@ -59,10 +76,13 @@ def render(con, model: str | None = None, title: str = "quantgate report") -> st
     card = store.rows(con, f"SELECT * FROM variant_scorecard {'WHERE model_id = ?' if model else ''}", params)
     speed = store.rows(con, _LATEST_SPEED.format(where="AND r.model_id = ?" if model else ""), params)
     latency = store.rows(con, _LATEST_LATENCY.format(where="AND r.model_id = ?" if model else ""), params)
+    cost = store.rows(con, _LATEST_COST.format(where="AND r.model_id = ?" if model else ""), params)
+    tuned = store.rows(con, _LATEST_TUNED.format(where="AND r.model_id = ?" if model else ""), params)
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = [f"<h1>{escape(title)}</h1>",
             f"<p class='meta'>generated {generated}{' · model ' + escape(model) if model else ''}</p>",
-            _regressions(moved), _scorecard(card), _tradeoffs(card), _memory_energy(speed), _latency(latency)]
+            _regressions(moved), _scorecard(card), _tradeoffs(card), _cost(cost), _tuned(tuned),
+            _memory_energy(speed), _latency(latency)]
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{escape(title)}</title><style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
@@ -90,7 +110,7 @@ def _scorecard(card: list[dict]) -> str:
     if not card:
         return "<h2>Scorecard</h2><p class='note'>No evaluate-model runs in this warehouse: no decisions yet.</p>"
     cols = ["model_id", "variant", "build", "size_ratio", "quality_recovery", "quality_lower_bound", "flip_rate",
-            "speedup", "speedup_basis", "decision", "reason"]
+            "speedup", "speedup_basis", "usd_per_million_tokens", "cost_basis", "decision", "reason"]
     rows = [(r["decision"], [_build(r) if c == "build" else r.get(c) for c in cols]) for r in card]
     return "<h2>Scorecard</h2><p>Latest run of each model; decision by the policy, its reason beside it.</p>" + _table(cols, rows)
 
@@ -118,6 +138,43 @@ def _tradeoffs(card: list[dict]) -> str:
     return ("<h2>Quality against speed</h2><p>Quality recovery (bar: down to its confidence lower bound) against "
             "speedup, or size ratio where speed was not measured; dashed: the Pareto frontier; grey: the base.</p>"
             f"<div class='charts'>{''.join(charts)}</div>")
+
+
+def _cost(cost: list[dict]) -> str:
+    head = "<h2>Cost per million output tokens</h2>"
+    if not cost:
+        return head + ("<p class='note'>No priced measurements: give gpu_prices in the catalog (US$ per device-hour "
+                       "by device kind) and rerun.</p>")
+    cols = ["model_id", "variant", "engine", "scenario", "device", "num_devices", "usd_per_hour", "tokens_per_s",
+            "usd_per_million_output_tokens", "slo_load", "usd_per_million_output_tokens_at_slo"]
+    rows = [("", [r.get(c) for c in cols]) for r in cost]
+    return (head + "<p>US$ per million output tokens = price per device-hour × devices ÷ (output tokens/s × 3600) × 1e6,"
+            " with the prices stored with each run. At peak: the scenario's best throughput. At the SLO (serving): the"
+            " fastest load where at least 90% of requests met every SLO limit.</p>" + _table(cols, rows))
+
+
+def tuned_verdict(r: dict) -> str:
+    """One sentence: by how much the tuned config beat vLLM's defaults, or by how little the best other lost."""
+    if r.get("default_goodput") is None:
+        return "vLLM's defaults were not measured: no comparison"
+    if r["best_point"] != "default":
+        return f"{r['best_point']} beat vLLM's defaults by {r['gain_pct']:.0f}% goodput at the SLO"
+    if r.get("best_other_point") is None:
+        return "only vLLM's defaults were measured"
+    if r.get("best_other_gain_pct") is None:
+        return f"vLLM's defaults won; the best other point ({r['best_other_point']}) had no goodput"
+    return (f"vLLM's defaults won; the best other point ({r['best_other_point']}) lost by "
+            f"{-r['best_other_gain_pct']:.0f}%")
+
+
+def _tuned(tuned: list[dict]) -> str:
+    if not tuned:
+        return ""
+    cols = ["model_id", "variant", "sweep", "best_point", "best_kernel", "best_goodput", "best_load", "default_goodput",
+            "gain_pct", "points_ok", "verdict"]
+    rows = [("", [tuned_verdict(r) if c == "verdict" else r.get(c) for c in cols]) for r in tuned]
+    return ("<h2>Tuned serving config</h2><p>Best point of each variant's sweep of vLLM settings by goodput at the SLO"
+            " (good requests/s at its best load), against vLLM's defaults.</p>" + _table(cols, rows))
 
 
 def _memory_energy(speed: list[dict]) -> str:
