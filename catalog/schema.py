@@ -64,18 +64,31 @@ class GgufSource(Strict):
 
 Source = Annotated[HubSource | LocalSource | GgufSource, Field(discriminator="kind")]
 
-Method = Literal["awq", "gptq", "rtn", "fp8"]
+Method = Literal["awq", "gptq", "rtn", "fp8", "bnb"]
+# bitsandbytes schemes: LLM.int8() (8-bit, outliers kept in 16 bits), 4-bit NF4 or FP4.
+BNB_SCHEMES = ("int8", "nf4", "fp4")
 
 
 class VariantSpec(Strict):
-    """One quantized build: an llm-compressor modifier applied with a compressed-tensors scheme."""
+    """One quantized build: an llm-compressor modifier applied with a compressed-tensors scheme, or
+    (method bnb) a bitsandbytes quantization applied by Transformers at load time to the base weights."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")
     method: Method
-    scheme: Literal["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "W2A16"] = "W4A16"
+    scheme: Literal["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "W2A16", "int8", "nf4", "fp4"] = "W4A16"
     group_size: int | None = 128
     ignore: tuple[str, ...] = ("lm_head",)
     calibration: bool | None = None
+    # bnb 4-bit only: quantize the per-block scales too (QLoRA's double quantization).
+    double_quant: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bnb_defaults(cls, data: object) -> object:
+        # bitsandbytes fixes its own blocks (64 weights for 4-bit, rows for int8): no group size to choose.
+        if isinstance(data, dict) and data.get("method") == "bnb":
+            data = {"group_size": None, **data}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> VariantSpec:
@@ -83,13 +96,30 @@ class VariantSpec(Strict):
             raise ValueError("method 'fp8' takes scheme 'FP8_DYNAMIC'")
         if self.method != "fp8" and self.scheme == "FP8_DYNAMIC":
             raise ValueError("scheme 'FP8_DYNAMIC' takes method 'fp8'")
+        if (self.method == "bnb") != (self.scheme in BNB_SCHEMES):
+            raise ValueError(f"method 'bnb' takes scheme {' / '.join(BNB_SCHEMES)}, and those schemes take method 'bnb'")
+        if self.method == "bnb":
+            if self.group_size is not None:
+                raise ValueError("method 'bnb' has no group_size (bitsandbytes fixes its blocks); leave it out")
+            if self.calibration:
+                raise ValueError("method 'bnb' takes no calibration (it quantizes at load time)")
+            if self.double_quant and self.scheme == "int8":
+                raise ValueError("double_quant applies to the 4-bit schemes (nf4, fp4), not int8")
+        elif self.double_quant:
+            raise ValueError("double_quant applies to method 'bnb' only")
         if self.group_size is not None and (self.group_size < 8 or self.group_size & (self.group_size - 1)):
             raise ValueError(f"group_size must be a power of two >= 8 or null (per channel), got {self.group_size}")
         return self
 
     @property
     def bits(self) -> int:
-        return {"W4A16": 4, "W4A16_ASYM": 4, "W8A16": 8, "W8A8": 8, "FP8_DYNAMIC": 8, "W2A16": 2}[self.scheme]
+        return {"W4A16": 4, "W4A16_ASYM": 4, "W8A16": 8, "W8A8": 8, "FP8_DYNAMIC": 8, "W2A16": 2,
+                "int8": 8, "nf4": 4, "fp4": 4}[self.scheme]
+
+    @property
+    def load_time(self) -> bool:
+        """Quantized by Transformers when the base is loaded: no checkpoint of its own is written."""
+        return self.method == "bnb"
 
     @property
     def needs_calibration(self) -> bool:

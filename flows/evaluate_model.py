@@ -197,7 +197,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         built.append(variant)
 
     suite = cat.suites[spec.suite]
-    backend, device, dtype = _eval_setup()
+    backend, device, dtype = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
     key = eval_key(suite, backend, dtype)
     usable: list[VariantArtifact] = []
     for v in [base, *[b for b in built if b.ok]]:
@@ -278,15 +278,19 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     return model.sha
 
 
-def _eval_setup() -> tuple[str, str, str]:
-    """lm-eval's vLLM backend on a GPU machine that has vLLM, else Transformers (bf16 on GPU, fp32 on CPU)."""
+def _eval_setup(load_time: bool = False) -> tuple[str, str, str]:
+    """lm-eval's vLLM backend on a GPU machine that has vLLM, else Transformers (bf16 on GPU, fp32 on CPU).
+
+    With load-time (bitsandbytes) variants every checkpoint of the model, the base included, is evaluated
+    with Transformers: those variants exist only as Transformers loads them, and recovery compares the
+    base and a variant under the same evaluation config."""
     import importlib.util
 
     import torch
 
     if not torch.cuda.is_available():
         return "hf", "cpu", "float32"
-    return ("vllm" if importlib.util.find_spec("vllm") else "hf"), "cuda", "bfloat16"
+    return ("vllm" if importlib.util.find_spec("vllm") and not load_time else "hf"), "cuda", "bfloat16"
 
 
 def _publish(model_id: str, card: list[dict]) -> None:

@@ -257,6 +257,8 @@ def run_scenarios(
         return results("skipped", why, opts)
     if not Path(model_path).is_dir():
         return results("failed", f"no model folder at {model_path}", opts)
+    if (why := _load_time_problem(model_path, engine_name, device)) is not None:
+        return results("skipped", why, opts)
 
     needed_len = max(s.input_len + s.output_len for _, s in scenarios)
     attempts: list[dict[str, Any]] = []
@@ -295,6 +297,18 @@ def run_scenarios(
         out.append(SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured)))
     faults.point("benchmark")
     return out
+
+
+def _load_time_problem(model_path: str, engine_name: str, device: str) -> str | None:
+    """Why a load-time (bitsandbytes) variant cannot run on this engine and device, or None (also for
+    ordinary checkpoints)."""
+    from quantgate.tasks import loadtime
+
+    if loadtime.descriptor(model_path) is None:
+        return None
+    if engine_name == "vllm":
+        return loadtime.vllm_problem(model_path)
+    return loadtime.unavailable(device)
 
 
 def _config(scenario: ScenarioSpec, used: EngineOptions) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 A download is keyed by what identifies the checkpoint before fetching it (a hub commit sha, a local
 folder's content hash, a GGUF file's hash and the converter's versions); a build by the variant uid,
-which is the model sha + recipe hash + quantizer library versions (+ the calibration data). Cache
+which is the model sha + recipe hash + quantizer library versions (+ the calibration data; for a
+bitsandbytes variant, its config and the bitsandbytes and transformers versions). Cache
 records and results live in `<workdir>/cache/`, so every run and every worker that shares the work
 dir shares them, and a run that crashed resumes at the first step without a cache record.
 
@@ -65,11 +66,14 @@ def download_key(spec: ModelSpec, cache_dir: Path) -> str | None:
 
 def quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec) -> str:
     """Cache key of a build: the variant uid (model sha + recipe hash + library versions [+ calibration])."""
-    _, recipe_hash = quantize.recipe_for(spec)
-    calibration = None
-    if spec.needs_calibration:
-        calibration = quantize.calibration_fingerprint(quantize.load_calibration(calib), calib.seq_len)
-    uid = quantize.variant_uid(model, recipe_hash, quantize.lib_versions(), calibration)
+    if spec.load_time:
+        uid = quantize.load_time_uid(model, spec)
+    else:
+        _, recipe_hash = quantize.recipe_for(spec)
+        calibration = None
+        if spec.needs_calibration:
+            calibration = quantize.calibration_fingerprint(quantize.load_calibration(calib), calib.seq_len)
+        uid = quantize.variant_uid(model, recipe_hash, quantize.lib_versions(), calibration)
     # The name is part of the key: the artifact carries it, and two names may share one recipe.
     return f"quantize-{uid}-{_digest([spec.name, model.uid])[:8]}"
 

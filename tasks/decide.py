@@ -108,7 +108,9 @@ def decide(
     `variant_recovery`, `variant_speedup`, `variant_paired_samples` and `variant_flips`."""
     uid = variant["variant_uid"]
     if variant["status"] != "built":
-        return Decision(uid, "reject", f"reject: build failed: {variant['error']}",
+        # A skipped variant (its backend cannot run where the flow ran) was never measured: not accepted.
+        what = "not built (skipped)" if variant.get("skipped") else "build failed"
+        return Decision(uid, "reject", f"reject: {what}: {variant['error']}",
                         [{"check": "build", "passed": False, "note": variant["error"]}],
                         policy.hash, None, None, None)
     quality = _quality_checks(policy, recovery, samples, flips)

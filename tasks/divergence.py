@@ -56,9 +56,10 @@ def _windows(base_path: str, text_file: str, seq_len: int, max_tokens: int) -> l
 
 
 def _load(path: str, device: str, dtype: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    # A checkpoint folder, or a load-time (bitsandbytes) variant: the base quantized as it loads.
+    from quantgate.tasks.loadtime import load_model
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    return load_model(path, device=device, dtype=dtype)
 
 
 def kl_divergence(

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 MARKER = ".quantgate-variant.json"
 UID_LIBS = ("llmcompressor", "compressed-tensors", "transformers")
+# A load-time (bitsandbytes) variant is made by these at every load.
+LOAD_TIME_LIBS = ("bitsandbytes", "transformers")
 
 
 class CalibrationError(RuntimeError):
@@ -45,8 +47,21 @@ def lib_versions() -> dict[str, str]:
     return {name: version(name) for name in (*UID_LIBS, "torch")}
 
 
+def load_time_versions() -> dict[str, str]:
+    """Library versions of a load-time variant; bitsandbytes is "absent" where it is not installed."""
+    from quantgate.tasks.loadtime import bnb_version
+
+    return {"bitsandbytes": bnb_version() or "absent", "transformers": version("transformers"), "torch": version("torch")}
+
+
 def recipe_for(spec: VariantSpec) -> tuple[str, str]:
-    """(recipe YAML, its sha256) for a spec; builds the modifier objects, runs nothing."""
+    """(recipe YAML, its sha256) for a spec; builds the modifier objects, runs nothing. A load-time
+    variant's recipe is its bitsandbytes config (JSON)."""
+    if spec.load_time:
+        from quantgate.tasks.loadtime import recipe_text as load_time_recipe
+
+        text = load_time_recipe(spec)
+        return text, hashlib.sha256(text.encode()).hexdigest()
     # Imported here: llmcompressor takes seconds to import and only builds need it.
     from quantgate.tasks.quantizers.llmcompressor import recipe_text
 
@@ -55,11 +70,12 @@ def recipe_for(spec: VariantSpec) -> tuple[str, str]:
 
 
 def variant_uid(
-    model: ModelArtifact, recipe_hash: str, versions: dict[str, str], calibration: str | None = None
+    model: ModelArtifact, recipe_hash: str, versions: dict[str, str], calibration: str | None = None,
+    libs: tuple[str, ...] = UID_LIBS,
 ) -> str:
-    """16 hex chars of sha256 over the model sha, recipe hash, quantizer library versions and,
+    """16 hex chars of sha256 over the model sha, recipe hash, quantizer library versions (`libs`) and,
     for calibrated methods, the calibration fingerprint (the data changes the weights)."""
-    key = {"model": model.sha, "recipe": recipe_hash, "libs": {k: versions[k] for k in UID_LIBS}}
+    key = {"model": model.sha, "recipe": recipe_hash, "libs": {k: versions[k] for k in libs}}
     if calibration is not None:
         key["calibration"] = calibration
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -158,6 +174,11 @@ def _from_marker(folder: Path, spec: VariantSpec) -> VariantArtifact | None:
 def _from_row(row: dict[str, Any], spec: VariantSpec) -> VariantArtifact | None:
     if row.get("status") != "built" or not row.get("path") or not (Path(row["path"]) / "config.json").is_file():
         return None
+    if spec.load_time:
+        from quantgate.tasks.loadtime import LOAD_FILE
+
+        if not (Path(row["path"]) / LOAD_FILE).is_file():
+            return None
     versions = row.get("lib_versions") or {}
     return VariantArtifact(
         uid=row["variant_uid"],
@@ -211,8 +232,10 @@ def build_variant(
     """Build `spec` of `model` under `out_root`, or return the earlier build of the same uid (reused=True).
 
     `existing(uid)` may return the warehouse's row for the uid; a built row whose folder still
-    exists is reused too.
+    exists is reused too. A load-time spec (bitsandbytes) goes to `build_load_time`.
     """
+    if spec.load_time:
+        return build_load_time(model, spec, out_root, existing)
     versions = lib_versions()
     recipe, recipe_hash = recipe_for(spec)
     texts = load_calibration(calib) if spec.needs_calibration else []
@@ -277,6 +300,85 @@ def build_variant(
         os.replace(tmp, final)
     except OSError:
         # Another process finished the same build first; keep its copy.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (other := _from_marker(final, spec)) is None:
+            raise
+        return other
+    return built
+
+
+def load_time_uid(model: ModelArtifact, spec: VariantSpec) -> str:
+    """Uid of a load-time variant: base sha + bitsandbytes config + bitsandbytes and transformers versions."""
+    _, recipe_hash = recipe_for(spec)
+    return variant_uid(model, recipe_hash, load_time_versions(), libs=LOAD_TIME_LIBS)
+
+
+def _finite_logits(model: Any, tokenizer_path: str) -> bool:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    ids = tokenizer("Once upon a time, there was a little cat.", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = model(ids.to(model.device)).logits
+    return bool(torch.isfinite(logits.float()).all())
+
+
+def build_load_time(
+    model: ModelArtifact,
+    spec: VariantSpec,
+    out_root: Path,
+    existing: Callable[[str], dict | None] | None = None,
+) -> VariantArtifact:
+    """A bitsandbytes variant: no checkpoint is written. The base is loaded once with the config on this
+    machine's device (CUDA when there is one) to check that it loads and gives finite logits, and to
+    measure its size in memory (Transformers' footprint of parameters and buffers in the checkpoint's
+    dtype, the counterpart of the base's size on disk). The variant's folder then holds the base's small
+    files and the config (tasks.loadtime). Where bitsandbytes cannot run here the variant is "skipped"."""
+    from quantgate.tasks import loadtime
+
+    versions = load_time_versions()
+    recipe, recipe_hash = recipe_for(spec)
+    uid = variant_uid(model, recipe_hash, versions, libs=LOAD_TIME_LIBS)
+    final = Path(out_root) / uid
+    reused = _from_marker(final, spec)
+    if reused is None and existing is not None and (row := existing(uid)) is not None:
+        reused = _from_row(row, spec)
+    if reused is not None:
+        return reused
+    built = VariantArtifact(
+        uid=uid, model_uid=model.uid, name=spec.name, method=spec.method, scheme=spec.scheme, bits=spec.bits,
+        group_size=None, path=str(final), recipe=recipe, recipe_hash=recipe_hash, lib_versions=versions,
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if (why := loadtime.unavailable(device)) is not None:
+        return replace(built, path=None, status="skipped", error=f"{spec.name}: {why}")
+    Path(out_root).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.", suffix=".tmp", dir=out_root))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    try:
+        loadtime.write_folder(tmp, model.path, spec)
+        loaded = loadtime.load_model(tmp, device=device, dtype="auto")
+        size = int(loaded.get_memory_footprint())
+        error = None if _finite_logits(loaded, model.path) else "logits contain NaN/Inf"
+        del loaded
+    except Exception as e:  # this variant fails alone
+        log.warning("variant %s (%s) failed", spec.name, uid, exc_info=True)
+        error = one_line(e)
+    seconds = time.perf_counter() - start
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return replace(built, path=None, status="failed", error=f"{spec.name}: {error}", build_seconds=seconds)
+    built = replace(built, size_bytes=size, build_seconds=seconds, peak_memory_bytes=_peak_memory_bytes(device == "cuda"))
+    record = asdict(built)
+    del record["reused"]
+    (tmp / MARKER).write_text(json.dumps(record, indent=2))
+    if final.exists() and not (final / MARKER).is_file():
+        shutil.rmtree(final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if (other := _from_marker(final, spec)) is None:
             raise

@@ -42,7 +42,8 @@ class VariantArtifact:
     size_bytes: int | None = None
     build_seconds: float | None = None
     peak_memory_bytes: int | None = None
-    status: Literal["built", "failed"] = "built"
+    # "skipped": not built because its backend cannot run here (bitsandbytes absent, no backend for the device).
+    status: Literal["built", "failed", "skipped"] = "built"
     error: str | None = None
     reused: bool = False
     # "dummy": random weights of a real shape, for speed runs only (never evaluated or decided).

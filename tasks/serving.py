@@ -733,6 +733,11 @@ def _preflight(
         return opts, result, result("skipped", why, opts)
     if not Path(model_path).is_dir():
         return opts, result, result("failed", f"no model folder at {model_path}", opts)
+    from quantgate.tasks.loadtime import descriptor
+
+    if descriptor(model_path) is not None:
+        why = "a load-time (bitsandbytes) variant is measured by the offline engines only, not with vllm serve/bench"
+        return opts, result, result("skipped", why, opts)
     return opts, result, None
 
 

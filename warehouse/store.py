@@ -339,21 +339,22 @@ def record_model(con, run_id: str, model: ModelArtifact) -> None:
 
 
 def record_variant(con, run_id: str, v: VariantArtifact, role: str) -> None:
-    """Store a build once; a failed build may be replaced by a later successful one of the same uid."""
+    """Store a build once; a failed (or skipped) build may be replaced by a later successful one of the same uid."""
     with transaction(con):
         existing = con.execute("SELECT status FROM variants WHERE variant_uid = ?", [v.uid]).fetchone()
-        if existing and (existing[0] == "built" or v.status == "failed"):
-            pass
-        else:
+        if not (existing and (existing[0] == "built" or v.status != "built")):
             if existing:
                 con.execute("DELETE FROM variants WHERE variant_uid = ?", [v.uid])
+            # A skipped variant is stored as status 'failed' with skipped = true (migration 0007).
             con.execute(
                 "INSERT INTO variants (variant_uid, model_uid, name, method, scheme, bits, group_size, path, recipe,"
                 " recipe_hash, lib_versions, size_bytes, build_seconds, peak_memory_bytes, status, error,"
-                " created_run_id, created_at, weights) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " created_run_id, created_at, weights, skipped)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [v.uid, v.model_uid, v.name, v.method, v.scheme, v.bits, v.group_size, v.path, v.recipe,
                  v.recipe_hash, _json(v.lib_versions), v.size_bytes, v.build_seconds, v.peak_memory_bytes,
-                 v.status, v.error, run_id, _now(), v.weights],
+                 "failed" if v.status == "skipped" else v.status, v.error, run_id, _now(), v.weights,
+                 v.status == "skipped"],
             )
         con.execute(
             "INSERT INTO run_variants (run_id, variant_uid, role, reused) VALUES (?, ?, ?, ?)"

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from quantgate.tasks.engines.base import EngineError, EngineOptions, Generation, RequestTiming
+from quantgate.tasks.loadtime import descriptor, load_model
 
 
 class _FirstTokenClock(BaseStreamer):
@@ -50,6 +51,8 @@ class TransformersEngine:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         dtype = getattr(torch, options.dtype)
+        if options.dummy_weights and descriptor(model_path) is not None:
+            raise EngineError("transformers engine: a load-time (bitsandbytes) variant has no dummy-weights mode")
         if options.dummy_weights:
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=options.trust_remote_code)
             # Built on the device: random init there takes seconds where a 7B model on the CPU takes minutes.
@@ -57,6 +60,10 @@ class TransformersEngine:
                 model = AutoModelForCausalLM.from_config(
                     config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=options.trust_remote_code
                 )
+        elif descriptor(model_path) is not None:
+            # A load-time (bitsandbytes) variant: the base quantized on load, placed by Transformers.
+            model = load_model(model_path, device=options.device, dtype=dtype, attn_implementation="sdpa",
+                               trust_remote_code=options.trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 model_path,
@@ -66,7 +73,9 @@ class TransformersEngine:
                 # Straight onto the GPU: a compressed checkpoint then also decompresses there.
                 device_map=options.device if options.device == "cuda" else None,
             )
-        self._model = model.to(self._device).eval()
+        # bitsandbytes modules cannot be moved once loaded (Transformers placed them already).
+        self._model = (model if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+                       else model.to(self._device)).eval()
         self._tokenizer = tokenizer
         self._compile = options.compile
 

@@ -32,7 +32,13 @@ class VllmEngine:
             from vllm import LLM
         except ImportError as e:
             raise EngineError(f"vllm is not importable: {e}") from None
-        extra: dict[str, Any] = {}
+        from quantgate.tasks.loadtime import LoadTimeError, vllm_args
+
+        try:
+            # A load-time (bitsandbytes) variant: the base folder, quantized in flight by vLLM.
+            model_path, extra = vllm_args(model_path)
+        except LoadTimeError as e:
+            raise EngineError(str(e)) from None
         if options.dummy_weights:
             extra["load_format"] = "dummy"
         if options.speculative_config:

@@ -211,7 +211,12 @@ def _run(request: dict) -> dict:
         "dtype": request["dtype"],
         "trust_remote_code": request["trust_remote_code"],
     }
-    if backend == "vllm":
+    if (load_time := _load_time_model(request)) is not None:
+        # The hf backend takes a loaded model as `pretrained`. A quantization_config in model_args
+        # would not reach from_pretrained: HFLM passes its own (from the checkpoint's config) beside
+        # the model args, and Transformers 5 dropped load_in_4bit / load_in_8bit.
+        model_args = {"pretrained": load_time, "tokenizer": request["model_path"]}
+    elif backend == "vllm":
         # Scoring speed is not what is measured here: skip torch.compile and CUDA-graph capture (a minute per
         # engine start) and leave the GPU room for the next engine.
         model_args |= {"enforce_eager": True, "gpu_memory_utilization": 0.5}
@@ -237,6 +242,22 @@ def _run(request: dict) -> dict:
         metrics += _metric_rows(results)
         samples += _sample_rows(results)
     return {"metrics": metrics, "samples": samples}
+
+
+def _load_time_model(request: dict) -> Any:
+    """The model of a load-time (bitsandbytes) variant, quantized as Transformers loads the base; None
+    for an ordinary checkpoint folder."""
+    from quantgate.tasks import loadtime
+
+    if loadtime.descriptor(request["model_path"]) is None:
+        return None
+    if request["backend"] != "hf":
+        raise EvaluationError(f"a load-time (bitsandbytes) variant is evaluated with lm-eval's hf backend, not {request['backend']!r}")
+    try:
+        return loadtime.load_model(request["model_path"], device=request["device"], dtype=request["dtype"],
+                                   trust_remote_code=request["trust_remote_code"])
+    except Exception as e:
+        raise EvaluationError(f"could not load {request['model_path']} with its bitsandbytes config: {one_line(e)}") from None
 
 
 def _metric_rows(results: dict) -> list[dict]:
