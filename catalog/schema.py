@@ -142,11 +142,15 @@ class CalibrationSpec(Strict):
 
 
 class LocalTask(Strict):
-    """An lm-eval task YAML shipped in catalog/lm_eval_tasks (or any folder given by path)."""
+    """An lm-eval task YAML shipped in catalog/lm_eval_tasks (or any folder given by path).
+
+    `metadata` is merged over the task's own metadata (lm-eval's --metadata, for this task alone); tasks
+    built by code read their size from it, e.g. qg_passkey's context_words."""
 
     name: str
     include_path: str | None = None
     limit: int | None = Field(default=None, ge=1)
+    metadata: dict[str, int | float | str | bool | list[int | float | str]] = {}
 
 
 class SuiteSpec(Strict):
@@ -431,6 +435,9 @@ class QualityGate(Strict):
     metric: str
     min_recovery: float = Field(gt=0, le=2)
     higher_is_better: bool
+    # An optional gate (required: false) is checked where its metric has a recovery; where it does not
+    # (the suite lacks the task, or the base scores 0 so no ratio exists) it is noted, not failed.
+    required: bool = True
 
 
 class SpeedGate(Strict):

@@ -247,7 +247,7 @@ def report(
     else:
         console.print("No regressions: nothing moved beyond noise since the previous run.")
     _print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "quality_lower_bound", "kl",
-                       "flip_rate", "speedup", "speedup_basis", "decision", "reason"])
+                       "long_context", "flip_rate", "speedup", "speedup_basis", "decision", "reason"])
 
 
 @app.command()

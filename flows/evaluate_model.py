@@ -296,14 +296,16 @@ def _eval_setup(load_time: bool = False) -> tuple[str, str, str]:
 def _publish(model_id: str, card: list[dict]) -> None:
     """The run's scorecard as Prefect artifacts: a markdown card and a table of decisions."""
     fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
-    lines = [f"# {model_id}", "", "| variant | decision | recovery | 95% CI low | KL | speedup | size ratio | reason |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"# {model_id}", "",
+             "| variant | decision | recovery | 95% CI low | KL | long context | speedup | size ratio | reason |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in card:
         lines.append(f"| {r['variant']} | {r['decision']} | {fmt(r['quality_recovery'])} | {fmt(r['quality_lower_bound'])}"
-                     f" | {fmt(r['kl'])} | {fmt(r['speedup'])} | {fmt(r['size_ratio'])} | {r['reason']} |")
+                     f" | {fmt(r['kl'])} | {fmt(r['long_context'])} | {fmt(r['speedup'])} | {fmt(r['size_ratio'])}"
+                     f" | {r['reason']} |")
     key = "".join(c if c.isalnum() else "-" for c in model_id.lower())[:80]
     create_markdown_artifact("\n".join(lines), key=f"scorecard-{key}", description=f"quantgate scorecard for {model_id}")
     columns = ("variant", "method", "bits", "decision", "quality_recovery", "quality_lower_bound", "flip_rate", "kl",
-               "speedup", "size_ratio", "reason")
+               "long_context", "speedup", "size_ratio", "reason")
     create_table_artifact([{c: r[c] for c in columns} for r in card], key=f"decisions-{key}",
                           description=f"quantgate decisions for {model_id}")

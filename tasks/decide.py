@@ -36,7 +36,11 @@ def _quality_checks(policy: Policy, recovery: Sequence[dict[str, Any]], samples:
         rows.sort(key=lambda r: r["filter"] != "none")
         name = f"{gate.task}/{gate.metric}"
         if not rows or rows[0]["recovery"] is None:
-            checks.append({"check": name, "passed": False, "note": f"{name} not measured"})
+            why = "not measured" if not rows else f"has no recovery (base {rows[0]['base_value']}, variant {rows[0]['variant_value']})"
+            if gate.required:
+                checks.append({"check": name, "passed": False, "note": f"{name} {why}"})
+            else:
+                checks.append({"check": name, "passed": None, "note": f"{name} {why} (optional gate)"})
             continue
         r = rows[0]
         key = (gate.task, gate.metric, r["filter"])

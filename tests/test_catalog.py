@@ -37,7 +37,7 @@ def test_default_catalog_loads_and_resolves_paths():
 @pytest.mark.parametrize(
     "mutate, expected",
     [
-        (lambda d: d["variants"].__setitem__("bad", {"method": "zzz"}), "variants.bad.method: Input should be 'awq', 'gptq', 'rtn' or 'fp8'"),
+        (lambda d: d["variants"].__setitem__("bad", {"method": "zzz"}), "variants.bad.method: Input should be 'awq', 'gptq', 'rtn', 'fp8' or 'bnb'"),
         (lambda d: d["variants"].__setitem__("bad", {"method": "gptq", "group_size": 48}), "group_size must be a power of two"),
         (lambda d: d["models"][0].__setitem__("variants", ["nope"]), "models.0.variants: unknown variant 'nope'"),
         (lambda d: d["models"][0].__setitem__("suite", "nope"), "models.0.suite: unknown suite 'nope'"),

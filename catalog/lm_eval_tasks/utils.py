@@ -81,3 +81,71 @@ def mmlu(subject: str, **kwargs) -> DatasetDict:
         )
 
     return DatasetDict({"dev": read("dev"), "test": read("test")})
+
+
+# --- qg_passkey: long-context retrieval --------------------------------------------------------------------
+
+# Needle owners: names that do not occur in simple_stories.txt, so the haystack never answers for them.
+PASSKEY_NAMES = (
+    "Aurelio", "Brisa", "Casimir", "Delphine", "Evander", "Fenna", "Gideon", "Hestia", "Ignatius", "Juniper",
+    "Kasimir", "Linnea", "Marisol", "Nikolai", "Ottilie", "Perpetua", "Quillon", "Rosalind", "Severin", "Thelonius",
+)
+
+
+def passkey_prompts(
+    text: str,
+    *,
+    context_words: int = 150,
+    depths: list[float] | tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    per_depth: int = 4,
+    seed: int = 1234,
+) -> list[dict]:
+    """Needle-in-a-haystack items, the same on every run: a haystack of `context_words` words cut at
+    sentence ends from `text` (repeated as often as needed, each item starting at another sentence), with
+    the needle "The magic number of NAME is NNNN." placed after the sentence nearest to `depth` of the
+    way through (0: first, 1: last); the prompt then asks for the number, which is the target."""
+    import random
+    import re
+
+    # A sentence ends at . ! or ? (and a closing quote right after it) followed by a space.
+    sentences = [s for s in re.split(r"(?:(?<=[.!?])|(?<=[.!?][\"”]))\s+", " ".join(text.split())) if s]
+    if not sentences:
+        raise ValueError("passkey: the haystack text has no sentences")
+    if context_words < 20:
+        raise ValueError(f"passkey: context_words must be at least 20, got {context_words}")
+    rng = random.Random(seed)
+    docs = []
+    for d, depth in enumerate(depths):
+        if not 0.0 <= float(depth) <= 1.0:
+            raise ValueError(f"passkey: depths must lie in [0, 1], got {depth}")
+        for i in range(per_depth):
+            name = PASSKEY_NAMES[(d * per_depth + i) % len(PASSKEY_NAMES)]
+            number = str(rng.randint(1000, 9999))
+            start = rng.randrange(len(sentences))
+            hay: list[str] = []
+            words = 0
+            while words < context_words:
+                sentence = sentences[(start + len(hay)) % len(sentences)]
+                hay.append(sentence)
+                words += len(sentence.split())
+            at = round(float(depth) * len(hay))
+            needle = f"The magic number of {name} is {number}."
+            body = " ".join(hay[:at] + [needle] + hay[at:])
+            docs.append({
+                "prompt": f"{body}\n\nThe magic number of {name} is",
+                "answer": number,
+                "depth": float(depth),
+                "context_words": words,
+            })
+    return docs
+
+
+def passkey(context_words: int = 150, depths: list[float] | None = None, per_depth: int = 4, seed: int = 1234,
+            **kwargs) -> DatasetDict:
+    """qg_passkey's items from simple_stories.txt; the parameters come from the task's metadata, which a
+    suite may override (LocalTask.metadata), e.g. context_words: 6000 for a model with an 8K context."""
+    text = _file("simple_stories", "simple_stories.txt").read_text(encoding="utf-8")
+    docs = passkey_prompts(text, context_words=int(context_words),
+                           depths=tuple(depths) if depths is not None else (0.0, 0.25, 0.5, 0.75, 1.0),
+                           per_depth=int(per_depth), seed=int(seed))
+    return DatasetDict({"test": Dataset.from_list(docs)})

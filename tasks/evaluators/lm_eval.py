@@ -52,7 +52,9 @@ def eval_key(suite: SuiteSpec, backend: Backend, dtype: str = "float32") -> str:
         "dtype": dtype,
         "lm_eval": version("lm_eval"),
         "num_fewshot": suite.num_fewshot,
-        "tasks": [{"name": t.name, "limit": t.limit, "config": _resolved_config(t.name, index)} for t in suite.tasks],
+        "tasks": [{"name": t.name, "limit": t.limit, "config": _resolved_config(t.name, index),
+                   # only when given, so that the keys of earlier evaluations stay as they were
+                   **({"metadata": t.metadata} if t.metadata else {})} for t in suite.tasks],
     }
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -193,9 +195,16 @@ def _run(request: dict) -> dict:
 
     suite = SuiteSpec.model_validate(request["suite"])
     paths = request["include_paths"]
-    manager = TaskManager(include_path=paths, include_defaults=request["builtin"])
-    by_limit: dict[int | None, list] = defaultdict(list)
+    # One task manager per distinct metadata: lm-eval merges a manager's metadata into every task it loads.
+    managers: dict[str, TaskManager] = {}
+    # simple_evaluate takes one limit and one task manager for all its tasks.
+    by_limit: dict[tuple[int | None, str], list] = defaultdict(list)
     for task in suite.tasks:
+        meta = json.dumps(task.metadata, sort_keys=True)
+        if meta not in managers:
+            managers[meta] = TaskManager(include_path=paths, include_defaults=request["builtin"],
+                                         metadata=dict(task.metadata) or None)
+        manager = managers[meta]
         if task.name not in manager.task_index:
             raise EvaluationError(f"unknown lm-eval task {task.name!r}: not in {paths} nor among lm-eval's built-in tasks")
         try:
@@ -203,7 +212,7 @@ def _run(request: dict) -> dict:
         except Exception as e:
             raise EvaluationError(f"task {task.name!r} could not be loaded: {one_line(e)}") from None
         groups = loaded.get("groups", {})
-        by_limit[task.limit] += [groups[task.name]] if task.name in groups else list(loaded["tasks"].values())
+        by_limit[(task.limit, meta)] += [groups[task.name]] if task.name in groups else list(loaded["tasks"].values())
 
     backend = request["backend"]
     model_args: dict[str, Any] = {
@@ -229,14 +238,14 @@ def _run(request: dict) -> dict:
 
     metrics: list[dict] = []
     samples: list[dict] = []
-    for limit, tasks in by_limit.items():  # simple_evaluate takes one limit for all its tasks
+    for (limit, meta), tasks in by_limit.items():
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=tasks,
             limit=limit,
             num_fewshot=suite.num_fewshot,
             log_samples=True,
-            task_manager=manager,
+            task_manager=managers[meta],
             bootstrap_iters=BOOTSTRAP_ITERS,
         )
         metrics += _metric_rows(results)

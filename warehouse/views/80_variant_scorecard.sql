@@ -32,19 +32,20 @@ GROUP BY run_id, variant_uid;
 CREATE OR REPLACE VIEW variant_scorecard AS
 SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
        v.size_bytes, d.size_ratio, d.quality_recovery, d.quality_lower_bound, coalesce(d.flip_rate, f.flip_rate) AS flip_rate,
-       k.kl, k.kl_stderr,
+       k.kl, k.kl_stderr, lc.long_context, lc.long_context_base, lc.long_context_recovery,
        coalesce(d.speedup, m.speedup) AS speedup,
        CASE WHEN d.speedup IS NOT NULL THEN 'gated' ELSE m.basis END AS speedup_basis,
        coalesce(d.decision, 'reject') AS decision,
        coalesce(d.reason, 'reject: not decided: ' || coalesce(v.error, 'run ' || r.status)) AS reason,
-       rv.reused, v.status AS build_status, r.run_id, r.started_at, v.variant_uid, d.policy_hash,
-       c.usd_per_million_tokens, c.cost_basis
+       rv.reused, CASE WHEN v.skipped THEN 'skipped' ELSE v.status END AS build_status, r.run_id, r.started_at,
+       v.variant_uid, d.policy_hash, c.usd_per_million_tokens, c.cost_basis
 FROM latest_runs r
 JOIN run_variants rv ON rv.run_id = r.run_id AND rv.role = 'variant'
 JOIN variants v ON v.variant_uid = rv.variant_uid
 LEFT JOIN decisions d ON d.run_id = r.run_id AND d.variant_uid = rv.variant_uid
 LEFT JOIN variant_worst_flip f ON f.run_id = r.run_id AND f.variant_uid = rv.variant_uid
 LEFT JOIN variant_kl k ON k.run_id = r.run_id AND k.variant_uid = rv.variant_uid
+LEFT JOIN variant_long_context lc ON lc.run_id = r.run_id AND lc.variant_uid = rv.variant_uid
 LEFT JOIN measured_speedup m ON m.run_id = r.run_id AND m.variant_uid = rv.variant_uid
 LEFT JOIN variant_cheapest c ON c.run_id = r.run_id AND c.variant_uid = rv.variant_uid
 ORDER BY r.model_id, v.name;
