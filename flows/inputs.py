@@ -16,7 +16,7 @@ from typing import Any
 from quantgate.catalog.schema import Catalog, GgufSource, HubSource, LocalSource, ModelSpec
 from quantgate.tasks import download
 
-INPUT_LIBS = ("quantgate", "llmcompressor", "compressed-tensors", "transformers", "lm_eval", "torch")
+INPUT_LIBS = ("quantgate", "llmcompressor", "compressed-tensors", "transformers", "lm_eval", "torch", "bitsandbytes")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
