@@ -323,7 +323,12 @@ def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: d
     if out.get("kv_cache_tokens") and config:
         dtype_bytes = 4 if used.dtype == "float32" else 2
         out["kv_cache_bytes"] = out["kv_cache_tokens"] * kv_bytes_per_token(config, dtype_bytes)
-    if out.get("decode_tokens_per_s") and out.get("bandwidth_gbps"):
+    from quantgate.tasks.loadtime import descriptor
+
+    if out.get("decode_tokens_per_s") and out.get("bandwidth_gbps") and descriptor(model_path) is not None:
+        # Its folder holds the base's config, whose layout would count 16-bit weights: not what is read.
+        out["details"] = {**out.get("details", {}), "roofline": "not computed for a load-time (bitsandbytes) variant"}
+    elif out.get("decode_tokens_per_s") and out.get("bandwidth_gbps"):
         # Transformers decompresses a quantized checkpoint on load and then reads 16-bit weights.
         dequantized = engine_name == "transformers" and bool(config and config.get("quantization_config"))
         try:
