@@ -109,3 +109,26 @@ def test_without_items_the_reported_stderrs_bound_recovery_and_without_either_no
     unknown = decide(VARIANT, 100, rec(0.98, stderr=None), speed(), POLICY)
     assert unknown.decision == "reject" and unknown.quality_lower_bound is None
     assert "recovery 0.98 without a confidence interval" in unknown.reason
+
+
+def test_an_optional_long_context_gate_is_noted_where_unmeasurable_and_gates_where_measured():
+    policy = Policy.model_validate({**POLICY.model_dump(), "quality": [
+        *[g.model_dump() for g in POLICY.quality],
+        {"task": "qg_passkey", "metric": "exact_match", "min_recovery": 0.9, "higher_is_better": True,
+         "required": False}]})
+    absent = decide(VARIANT, 100, rec(0.98), speed(), policy)
+    assert absent.decision == "accept" and "qg_passkey/exact_match not measured (optional gate)" in absent.reason
+    # The base retrieves nothing: there is no ratio to gate on.
+    zero = [{"task": "qg_passkey", "metric": "exact_match", "filter": "first-number", "recovery": None,
+             "variant_value": 0.0, "base_value": 0.0, "variant_stderr": 0.0, "base_stderr": 0.0}]
+    none = decide(VARIANT, 100, rec(0.98) + zero, speed(), policy)
+    assert none.decision == "accept" and "has no recovery (base 0.0, variant 0.0) (optional gate)" in none.reason
+    # Measured: it gates like any other (20 items per side, the variant finds half of what the base finds).
+    base, variant = [1] * 16 + [0] * 4, [1] * 8 + [0] * 12
+    lost = [{"task": "qg_passkey", "metric": "exact_match", "filter": "first-number", "recovery": 0.5,
+             "variant_value": 0.4, "base_value": 0.8, "variant_stderr": None, "base_stderr": None}]
+    samples = [{"task": "qg_passkey", "metric": "exact_match", "filter": "first-number", "doc_id": i,
+                "base_value": x, "variant_value": y, "base_weight": None, "variant_weight": None}
+               for i, (x, y) in enumerate(zip(base, variant))]
+    rejected = decide(VARIANT, 100, rec(0.98) + lost, speed(), policy, samples)
+    assert rejected.decision == "reject" and rejected.reason.startswith("reject: qg_passkey/exact_match recovery 0.5")
