@@ -111,7 +111,7 @@ CASES = [
     ("malformed catalog", lambda tmp, cat: ["-c", str(_write(tmp, "bad.yaml", "models: [\n  - id: x\n")), "tiny"],
      "bad.yaml: line", False),
     ("unknown method", lambda tmp, cat: ["-c", str(write_catalog(tmp, "m.yaml", method="hqq")), "tiny"],
-     "variants.rtn-w8a16.method: Input should be 'awq', 'gptq', 'rtn' or 'fp8'", False),
+     "variants.rtn-w8a16.method: Input should be 'awq', 'gptq', 'rtn', 'fp8' or 'bnb'", False),
     ("unknown scheme", lambda tmp, cat: ["-c", str(write_catalog(tmp, "s.yaml", scheme="W3A16")), "tiny"],
      "variants.rtn-w8a16.scheme: Input should be 'W4A16'", False),
     ("unknown variant or method", lambda tmp, cat: ["-c", str(cat), "tiny", "--variants", "hqq"],
