@@ -70,7 +70,7 @@ def test_packaged_gpu_suite_validates_and_each_step_needs_one_engine_start():
     assert suite.base_build == "bf16" and suite.builds["w4a16-g128"].quant == "w4a16"
     # Most important first: offline throughput of both builds on vLLM before anything else.
     assert [(s.engine, s.build) for s in suite.steps[:2]] == [("vllm", "bf16"), ("vllm", "w4a16-g128")]
-    assert [s.part for s in suite.steps[-2:]] == ["compile", "tp2"]
+    assert [s.part for s in suite.steps[-3:]] == ["compile", "tp2", "sweep-w4a16"]
     merged = suite.scenarios["prefix-on"]
     assert (merged.kind, merged.shared_prefix_len, merged.enable_prefix_caching, merged.max_model_len) == (
         "offline", 192, True, 512)
