@@ -1,7 +1,6 @@
 import json
 import shutil
 import statistics
-from pathlib import Path
 
 import pytest
 from tests.shared_data import TINY_MODEL

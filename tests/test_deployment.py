@@ -11,7 +11,6 @@ so the gpu-step runs measure vLLM's absence (skipped rows with the reason), not 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import yaml
-from tests.shared_data import SHARED, TINY_MODEL
+from tests.shared_data import SHARED
 
 from quantgate.catalog.schema import LOCAL_TASKS_DIR, LocalTask, SuiteSpec, load_catalog
 from quantgate.tasks.evaluators.lm_eval import eval_key, evaluate

@@ -1,5 +1,3 @@
-from pathlib import Path
-
 import pytest
 from tests.shared_data import TINY_MODEL
 
