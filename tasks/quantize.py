@@ -291,20 +291,7 @@ def build_variant(
         build_seconds=time.perf_counter() - start,
         peak_memory_bytes=_peak_memory_bytes(on_gpu),
     )
-    record = asdict(built)
-    del record["reused"]
-    (tmp / MARKER).write_text(json.dumps(record, indent=2))
-    if final.exists() and not (final / MARKER).is_file():
-        shutil.rmtree(final)  # not ours to trust: no marker means it was never completed
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        # Another process finished the same build first; keep its copy.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if (other := _from_marker(final, spec)) is None:
-            raise
-        return other
-    return built
+    return _publish(built, tmp, final, spec)
 
 
 def load_time_uid(model: ModelArtifact, spec: VariantSpec) -> str:
@@ -371,14 +358,20 @@ def build_load_time(
         shutil.rmtree(tmp, ignore_errors=True)
         return replace(built, path=None, status="failed", error=f"{spec.name}: {error}", build_seconds=seconds)
     built = replace(built, size_bytes=size, build_seconds=seconds, peak_memory_bytes=_peak_memory_bytes(device == "cuda"))
+    return _publish(built, tmp, final, spec)
+
+
+def _publish(built: VariantArtifact, tmp: Path, final: Path, spec: VariantSpec) -> VariantArtifact:
+    """Write the marker into the finished build folder and rename it into place."""
     record = asdict(built)
     del record["reused"]
     (tmp / MARKER).write_text(json.dumps(record, indent=2))
     if final.exists() and not (final / MARKER).is_file():
-        shutil.rmtree(final)
+        shutil.rmtree(final)  # not ours to trust: no marker means it was never completed
     try:
         os.replace(tmp, final)
     except OSError:
+        # Another process finished the same build first; keep its copy.
         shutil.rmtree(tmp, ignore_errors=True)
         if (other := _from_marker(final, spec)) is None:
             raise
