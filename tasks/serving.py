@@ -888,10 +888,12 @@ def serve_sweep(
     options: dict[str, Any] | None = None,
     serve: Callable[..., tuple[SpeedResult, list[ServingLoad]]] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    on_point: Callable[[SpeedResult, list[ServingLoad]], None] | None = None,
 ) -> list[tuple[SpeedResult, list[ServingLoad]]]:
     """Every point of the scenario's sweep as its own serving run (vLLM's defaults first), each named
     `<scenario>@<point>` with config.sweep = {scenario, point, settings}. The time left is shared out
-    evenly over the points not yet run; points the time does not reach get a skipped row."""
+    evenly over the points not yet run; points the time does not reach get a skipped row. `on_point` gets
+    each point as soon as it is done, so that a sweep cut short keeps the points it finished."""
     from quantgate.catalog.schema import sweep_label
 
     if scenario.sweep is None:
@@ -908,12 +910,16 @@ def serve_sweep(
         if remaining <= 1:
             config = {**plain.model_dump(mode="json"), "sweep": tag}
             out.append((SpeedResult("vllm", name, "skipped", "sweep: the time was up before this point", config), []))
+            if on_point:
+                on_point(*out[-1])
             continue
         overrides, args, env = sweep_settings(point)
         result, loads = serve(model_path, name, plain, work_dir=Path(work_dir) / f"point{i:02d}",
                               timeout_s=remaining / (len(points) - i), options={**(options or {}), **overrides},
                               extra_args=args, env=env)
         out.append((dataclasses.replace(result, config={**result.config, "sweep": tag}), loads))
+        if on_point:
+            on_point(*out[-1])
     return out
 
 

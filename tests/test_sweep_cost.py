@@ -65,8 +65,12 @@ def test_serve_sweep_runs_every_point_in_order_and_shares_the_time(tmp_path):
         now[0] += 60  # each point takes 60 s
         return SpeedResult("vllm", name, "ok", None, {"kind": sc.kind}), []
 
-    runs = serve_sweep("/m", "sw", scenario, work_dir=tmp_path, timeout_s=120, serve=serve, clock=lambda: now[0])
+    done = []
+    runs = serve_sweep("/m", "sw", scenario, work_dir=tmp_path, timeout_s=120, serve=serve, clock=lambda: now[0],
+                       on_point=lambda result, loads: done.append((result.scenario, len(calls))))
     names = [r.scenario for r, _ in runs]
+    # Each point is handed on as soon as it is done (before the next one starts), skipped ones too.
+    assert done == [("sw@default", 1), ("sw@max_num_seqs=16", 2), ("sw@kernel=MarlinLinearKernel", 2)]
     assert names == ["sw@default", "sw@max_num_seqs=16", "sw@kernel=MarlinLinearKernel"]
     # Each point is a plain serving run (no nested sweep), given its share of what is left.
     assert [c[1] for c in calls] == [None, None] and [c[2] for c in calls] == [40.0, 30.0]

@@ -9,8 +9,9 @@ OUT="${OUT:-$REPO/gpu-out}"
 WORK="${QG_WORKDIR:-/tmp/quantgate-gpu-tests}"
 mkdir -p "$OUT"
 . "$REPO/benchmarks/gpu/env.sh"
-# One pytest-xdist worker per GPU, each pinned to its GPU by tests/conftest.py (QUANTGATE_TEST_GPUS).
-GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)
+# One pytest-xdist worker per GPU (those of CUDA_VISIBLE_DEVICES where set, so that parallel.sh can give it
+# one), each pinned to its GPU by tests/conftest.py (QUANTGATE_TEST_GPUS).
+GPUS="${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
 WORKERS=$(echo "$GPUS" | tr ',' '\n' | grep -c .)
 export QUANTGATE_TEST_GPUS="$GPUS"
 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -n "$WORKERS" --durations=0 "${@:-tests}" 2>&1 \
