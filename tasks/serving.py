@@ -889,10 +889,11 @@ def serve_sweep(
     serve: Callable[..., tuple[SpeedResult, list[ServingLoad]]] | None = None,
     clock: Callable[[], float] = time.monotonic,
     on_point: Callable[[SpeedResult, list[ServingLoad]], None] | None = None,
+    min_point_s: float = 60.0,
 ) -> list[tuple[SpeedResult, list[ServingLoad]]]:
     """Every point of the scenario's sweep as its own serving run (vLLM's defaults first), each named
-    `<scenario>@<point>` with config.sweep = {scenario, point, settings}. The time left is shared out
-    evenly over the points not yet run; points the time does not reach get a skipped row. `on_point` gets
+    `<scenario>@<point>` with config.sweep = {scenario, point, settings}. Points the time does not reach
+    get a skipped row. `on_point` gets
     each point as soon as it is done, so that a sweep cut short keeps the points it finished."""
     from quantgate.catalog.schema import sweep_label
 
@@ -914,8 +915,12 @@ def serve_sweep(
                 on_point(*out[-1])
             continue
         overrides, args, env = sweep_settings(point)
+        # A point may use what is left beyond a minimum kept for each later one (the first start compiles and
+        # is the slowest), and never less than an even share.
+        left = len(points) - i
+        budget = max(remaining / left, remaining - (left - 1) * min_point_s)
         result, loads = serve(model_path, name, plain, work_dir=Path(work_dir) / f"point{i:02d}",
-                              timeout_s=remaining / (len(points) - i), options={**(options or {}), **overrides},
+                              timeout_s=budget, options={**(options or {}), **overrides},
                               extra_args=args, env=env)
         out.append((dataclasses.replace(result, config={**result.config, "sweep": tag}), loads))
         if on_point:

@@ -54,6 +54,21 @@ def test_a_sweep_is_rejected_outside_serving_steps(tmp_path):
     assert step.engine == "vllm-serve" and step.build == "w4a16-g128"
 
 
+def test_the_first_point_may_use_all_but_a_minimum_kept_for_each_later_one(tmp_path):
+    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4], sweep={"max_num_seqs": [16, 32]})
+    now = [0.0]
+    budgets = []
+
+    def serve(model_path, name, sc, *, work_dir, timeout_s, options, extra_args, env):
+        budgets.append(timeout_s)
+        now[0] += 50
+        return SpeedResult("vllm", name, "ok", None, {}), []
+
+    serve_sweep("/m", "sw", scenario, work_dir=tmp_path, timeout_s=400, serve=serve, clock=lambda: now[0], min_point_s=60)
+    # 400 - 2 × 60 for the first (its start compiles); then 350 - 60; the last gets all that is left.
+    assert budgets == [280.0, 290.0, 300.0]
+
+
 def test_serve_sweep_runs_every_point_in_order_and_shares_the_time(tmp_path):
     scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4], slo={"ttft_ms": 100},
                             sweep={"max_num_seqs": [16], "kernel": ["MarlinLinearKernel"]})
@@ -72,7 +87,7 @@ def test_serve_sweep_runs_every_point_in_order_and_shares_the_time(tmp_path):
     # Each point is handed on as soon as it is done (before the next one starts), skipped ones too.
     assert done == [("sw@default", 1), ("sw@max_num_seqs=16", 2), ("sw@kernel=MarlinLinearKernel", 2)]
     assert names == ["sw@default", "sw@max_num_seqs=16", "sw@kernel=MarlinLinearKernel"]
-    # Each point is a plain serving run (no nested sweep), given its share of what is left.
+    # Each point is a plain serving run (no nested sweep), given at least an even share of what is left.
     assert [c[1] for c in calls] == [None, None] and [c[2] for c in calls] == [40.0, 30.0]
     assert calls[1][4] == ["--max-num-seqs", "16"]
     # All 120 s were gone when the third point was due: it is recorded as skipped, not run.
