@@ -257,6 +257,10 @@ class ScenarioSpec(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_prefix_caching: bool = False
     seed: int = 0
+    # 0: greedy. Above 0: sampling at this temperature with top-p 1 and no top-k, as `vllm bench throughput`
+    # does (always 1.0), so a cross-checked scenario runs the bench's sampler. Only the sampler's cost changes:
+    # EOS is ignored, so every request still yields output_len tokens.
+    temperature: float = Field(default=0.0, ge=0, le=2)
     # None: input_len + output_len. Scenarios that share an engine process must agree on it.
     max_model_len: int | None = Field(default=None, ge=2)
     # The first shared_prefix_len tokens of every prompt are the same (a common system prompt).
@@ -346,6 +350,18 @@ class BuildSpec(Strict):
     group_size: int = Field(default=128, ge=8)
 
 
+# `vllm bench throughput` always samples at temperature 1.0, top-p 1.0.
+BENCH_TEMPERATURE = 1.0
+
+
+def bench_mismatch(scenario: ScenarioSpec) -> str | None:
+    """Why `vllm bench throughput` would not run the scenario's config, or None."""
+    if scenario.temperature != BENCH_TEMPERATURE:
+        return (f"vllm bench throughput samples at temperature {BENCH_TEMPERATURE:g} (top-p 1), the scenario at"
+                f" {scenario.temperature:g}: cross-check a twin of it with temperature: {BENCH_TEMPERATURE:g}")
+    return None
+
+
 class SuiteStep(Strict):
     """One isolated unit of the GPU suite: an engine process running its scenarios, a `vllm bench
     throughput` cross-check (vllm-bench) or a `vllm serve` server driven through its loads (vllm-serve)."""
@@ -392,6 +408,8 @@ class GpuSuiteSpec(Strict):
                 raise ValueError(f"steps.{i}: a sweep scenario runs on engine vllm-serve")
             if step.engine in ("vllm-bench", "vllm-serve") and len(step.scenarios) != 1:
                 raise ValueError(f"steps.{i}: a {step.engine} step takes exactly one scenario")
+            if step.engine == "vllm-bench" and (why := bench_mismatch(self.scenarios[step.scenarios[0]])):
+                raise ValueError(f"steps.{i}: {why}")
         return self
 
 

@@ -515,7 +515,7 @@ def _workload(engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec) 
     timings: list[RequestTiming] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), size):
-        generation = engine.generate(prompts[i : i + size], scenario.output_len)
+        generation = engine.generate(prompts[i : i + size], scenario.output_len, temperature=scenario.temperature)
         got = generation.output_tokens
         if any(n != scenario.output_len for n in got):
             raise BenchmarkError(f"{engine.name} generated {got} tokens per sequence, expected {scenario.output_len}")

@@ -14,6 +14,7 @@ and a bnb variant is then recorded as skipped with the reason.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import warnings
 from importlib.metadata import PackageNotFoundError, version
@@ -105,6 +106,29 @@ def write_folder(folder: Path, base_path: str | Path, spec: VariantSpec) -> None
     (folder / LOAD_FILE).write_text(json.dumps(desc, indent=2, sort_keys=True))
 
 
+class _Once(logging.Filter):
+    """Lets each distinct message of a logger through once per process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+def _log_once(name: str) -> None:
+    # LLM.int8() logs "inputs will be cast from torch.bfloat16 to float16" on every matmul of every step
+    # (144,000 lines in one H200 run); once says the same.
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _Once) for f in logger.filters):
+        logger.addFilter(_Once())
+
+
 def quantization_config(kwargs: dict[str, Any], dtype: Any) -> Any:
     """A transformers BitsAndBytesConfig computing in `dtype` (a torch dtype)."""
     from transformers import BitsAndBytesConfig
@@ -132,6 +156,7 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: str | Any = "flo
     if (why := unavailable(device)) is not None:
         raise LoadTimeError(why)
     warnings.filterwarnings("ignore", message=_NOISE)
+    _log_once("bitsandbytes.autograd._functions")
     compute = torch_dtype
     if compute == "auto":
         from transformers import AutoConfig

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import ScenarioSpec, bench_mismatch
 from quantgate.tasks import engines
 from quantgate.tasks.benchmark import (
     engine_options,
@@ -324,9 +324,10 @@ def run_load(
     extra_body: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
     vllm_extras: bool = True,
+    temperature: float = 0.0,
 ) -> LoadRun:
     """Send every prompt (token ids, or text for servers that take only text) to
-    {base_url}/v1/completions, streaming, greedy, exactly `output_len` tokens each when `ignore_eos`.
+    {base_url}/v1/completions, streaming, greedy (or sampled at `temperature`), exactly `output_len` tokens each when `ignore_eos`.
     `warmup` requests go first and are not recorded. `headers` go with every request (an
     Authorization header for a hosted API). Without `vllm_extras` the body keeps to the OpenAI
     Completions fields: no `ignore_eos` / `min_tokens` (servers that reject unknown fields), so a
@@ -350,6 +351,7 @@ def run_load(
             extra_body=extra_body or {},
             headers=headers or {},
             vllm_extras=vllm_extras,
+            temperature=temperature,
         )
     )
 
@@ -369,6 +371,7 @@ async def _run_load(
     extra_body: dict[str, Any],
     headers: dict[str, str],
     vllm_extras: bool,
+    temperature: float,
 ) -> LoadRun:
     import aiohttp
 
@@ -380,7 +383,7 @@ async def _run_load(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         model = model or await _first_model(session, base_url)
         url = f"{base_url}/v1/completions"
-        body = {**_payload(output_len, ignore_eos, vllm_extras), **extra_body, "model": model}
+        body = {**_payload(output_len, ignore_eos, vllm_extras, temperature), **extra_body, "model": model}
         slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
 
         async def warm(i: int) -> None:
@@ -406,6 +409,7 @@ async def _run_load(
         "max_concurrency": max_concurrency,
         "request_rate": None if math.isinf(request_rate) else request_rate,
         "seed": seed,
+        "temperature": temperature,
         "ignore_eos": ignore_eos,
         "vllm_extras": vllm_extras,
         "warmup": warmup,
@@ -413,10 +417,11 @@ async def _run_load(
     return LoadRun(records=list(records), duration_s=duration, model=model, config=config, server_info=seen)
 
 
-def _payload(output_len: int, ignore_eos: bool, vllm_extras: bool = True) -> dict[str, Any]:
+def _payload(output_len: int, ignore_eos: bool, vllm_extras: bool = True, temperature: float = 0.0) -> dict[str, Any]:
     body: dict[str, Any] = {
         "max_tokens": output_len,
-        "temperature": 0.0,
+        "temperature": temperature,
+        **({"top_p": 1.0} if temperature > 0 else {}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -970,6 +975,7 @@ def run_loads(
             model=model,
             warmup=scenario.warmup,
             timeout_s=remaining,
+            temperature=scenario.temperature,
             **client,
         )
         after = telemetry.energy_mj() if telemetry else None
@@ -988,11 +994,14 @@ def bench_scenario(
     options: dict[str, Any] | None = None,
 ) -> SpeedResult:
     """`vllm bench throughput` on an offline scenario's config (same model, lengths, prompt count,
-    engine flags, warm-up of one full pass), as a SpeedResult of engine "vllm-bench": tokens_per_s is
+    engine flags, warm-up of one full pass, sampler: the scenario must sample at the bench's fixed
+    temperature, else the row is skipped with why), as a SpeedResult of engine "vllm-bench": tokens_per_s is
     its output tokens/s and total_tokens_per_s its (prompt + output) tokens/s, like ours."""
     opts, result, early = _preflight("vllm-bench", model_path, scenario_name, scenario, options)
     if early is not None:
         return early
+    if (why := bench_mismatch(scenario)) is not None:
+        return result("skipped", why, opts)
     deadline = time.monotonic() + timeout_s
     attempts: list[dict[str, Any]] = []
     for used in fallback_options(opts, "vllm", scenario.input_len + scenario.output_len):

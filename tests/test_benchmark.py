@@ -144,6 +144,19 @@ def test_left_padding_gives_each_prompt_the_tokens_it_gets_alone(engine, prompts
     assert batch.token_ids == [engine.generate([p], 6).token_ids[0] for p in prompts]
 
 
+def test_sampling_keeps_the_fixed_length_and_leaves_greedy_alone(engine):
+    prompts = [engine._tokenizer(line)["input_ids"] for line in LINES]
+    greedy = engine.generate(prompts, 8).token_ids
+    torch.manual_seed(0)
+    sampled = engine.generate(prompts, 8, temperature=1.0)
+
+    assert sampled.output_tokens == [8, 8, 8]
+    assert sampled.token_ids != greedy  # 24 draws at temperature 1 over a 512-token vocabulary
+    assert engine.generate(prompts, 8).token_ids == greedy
+    r = run_scenario(str(TINY), "transformers", "sampled", SMALL.model_copy(update={"temperature": 1.0}), isolate=False)
+    assert r.status == "ok" and r.output_tokens == 4 * 3 * 8 // 3 and r.config["temperature"] == 1.0
+
+
 def test_counts_stop_at_eos_per_sequence(engine, tmp_path):
     prompts = [engine._tokenizer(line)["input_ids"] for line in LINES]
     fixed = engine.generate(prompts, 8).token_ids

@@ -9,6 +9,7 @@ in-flight quantization (tests/gpu/test_bnb_gpu.py).
 """
 
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -106,6 +107,18 @@ def test_build_writes_a_weightless_folder_measures_size_and_is_reused(tiny_model
 
     with pytest.raises(OSError):
         AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_a_message_logged_on_every_matmul_is_logged_once(caplog):
+    loadtime._log_once("quantgate.test.bnb_noise")
+    loadtime._log_once("quantgate.test.bnb_noise")  # a second load adds no second filter
+    noisy = logging.getLogger("quantgate.test.bnb_noise")
+    with caplog.at_level(logging.WARNING, logger="quantgate.test.bnb_noise"):
+        for _ in range(3):
+            noisy.warning("inputs will be cast from %s to float16", "torch.bfloat16")
+        noisy.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["inputs will be cast from torch.bfloat16 to float16",
+                                                        "something else"]
 
 
 def test_int8_is_loaded_quantized_and_stays_close_to_the_base(tiny_model, tmp_path):

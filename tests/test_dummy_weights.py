@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tests.shapes import TINY_QWEN
 from quantgate.tasks.dummy_weights import (
     QWEN25_7B_INSTRUCT,
     W4_SCALE,
@@ -17,19 +18,7 @@ from quantgate.tasks.dummy_weights import (
     write_dummy_checkpoint,
 )
 
-TINY = {
-    **QWEN25_7B_INSTRUCT,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_window_layers": 2,
-    "max_position_embeddings": 256,
-    "vocab_size": 1000,
-    "bos_token_id": 998,
-    "eos_token_id": 999,
-}
+TINY = {**QWEN25_7B_INSTRUCT, **TINY_QWEN}
 
 
 def _tensors(folder) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

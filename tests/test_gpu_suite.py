@@ -12,6 +12,7 @@ import torch
 import yaml
 from prefect.testing.utilities import prefect_test_harness
 
+from tests.shapes import TINY_QWEN
 from quantgate.catalog.schema import ScenarioSpec, SuiteStep, load_gpu_suite
 from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps, select_steps
 from quantgate.tasks.benchmark import (
@@ -29,9 +30,6 @@ from quantgate.tasks.serving import vllm_cli_args
 from quantgate.warehouse import store
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_window_layers": 2, "max_position_embeddings": 256, "vocab_size": 1000,
-              "bos_token_id": 998, "eos_token_id": 999}
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
 
 
@@ -133,7 +131,7 @@ def test_vllm_flags_match_the_offline_engine_options():
 
 
 def test_transformers_builds_dummy_weights_and_static_cache_gives_the_same_tokens(tmp_path):
-    ck = write_dummy_checkpoint(tmp_path / "bf16", {**QWEN25_7B_INSTRUCT, **TINY_SHAPE}, write_weights=False)
+    ck = write_dummy_checkpoint(tmp_path / "bf16", {**QWEN25_7B_INSTRUCT, **TINY_QWEN}, write_weights=False)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
     tokens = []
     for compile_ in (False, True):
@@ -162,7 +160,7 @@ def _tiny_suite(tmp_path: Path) -> Path:
     """catalog/gpu.yaml with a tiny shape and two CPU steps in front, so that on a machine without a
     GPU some steps really run and the GPU ones are skipped."""
     suite = yaml.safe_load((REPO / "catalog" / "gpu.yaml").read_text())
-    suite["shapes"]["tiny"] = {"preset": "qwen2.5-7b-instruct", "overrides": TINY_SHAPE}
+    suite["shapes"]["tiny"] = {"preset": "qwen2.5-7b-instruct", "overrides": TINY_QWEN}
     suite["builds"]["w4a16-g32"] = {"quant": "w4a16", "group_size": 32}
     cpu = {"kind": "offline", "engines": ["transformers"], "device": "cpu", "weights": "dummy", "num_prompts": 2,
            "input_len": 8, "output_len": 4, "batch_size": 2, "warmup": 0, "repetitions": 1}
@@ -210,7 +208,7 @@ def test_flow_on_a_cpu_machine_runs_cpu_steps_and_records_gpu_ones_as_skipped(tm
         assert speed[("transformers", "cpu-offline", "dummy-w4a16-g32")]["status"] == "ok"
         # Every GPU scenario has its row, skipped with the reason.
         assert speed[("vllm", "serving", "dummy-bf16")]["status"] == "skipped"
-        assert speed[("vllm-bench", "offline", "dummy-bf16")]["reason"].startswith("vllm is not installed")
+        assert speed[("vllm-bench", "offline-sampled", "dummy-bf16")]["reason"].startswith("vllm is not installed")
         assert con.execute("SELECT list(DISTINCT weights) FROM variants").fetchone()[0] == ["dummy"]
         assert con.execute("SELECT count(*) FROM quality_evals").fetchone()[0] == 0
         assert con.execute("SELECT count(*) FROM decisions").fetchone()[0] == 0

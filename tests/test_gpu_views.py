@@ -150,9 +150,12 @@ def test_export_and_summary(con, tmp_path):
     assert {"speed_results", "serving_requests", "latency_percentiles", "vllm_crosscheck", "suite_steps"} <= names
     assert duckdb.sql(f"SELECT count(*) FROM '{tmp_path / 'pq' / 'serving_requests.parquet'}'").fetchone()[0] == 6
 
+    store.record_prices(con, RUN, {"NVIDIA H200": 3.6})
     text = _summary_module().render(con)
     assert text.startswith("# GPU suite: qwen-7b on NVIDIA H200")
-    assert "| bf16 | 250 | 1,000 | 4.00 | 1,100 |" in text  # offline: Transformers, vLLM, ratio, bench
+    # 3.6 US$/h ÷ (1,000 tok/s × 3,600 s) × 1e6 = 1 US$ per million output tokens.
+    assert "| bf16 | vllm | offline | 3.60 | 1 | 1,000 | 1.0000 | — | — |" in text
+    assert "| bf16 | 250 | 1,000 | 4.00 | — |" in text  # offline: Transformers, vLLM, ratio, note
     assert "| bf16 | offline | 1,000 | 1,100 | -9.1 |" in text  # the cross-check gap
     assert "46.0%" in text  # roofline
     assert "| bf16 | c=2 | 4 | 25.0 | 39.7 |" in text  # TTFT p50 and p99 of the c=2 load

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.shapes import TINY_QWEN
 from quantgate.tasks.dummy_weights import QWEN25_7B_INSTRUCT, layout, write_dummy_checkpoint
 from quantgate.tasks.roofline import (
     RooflineError,
@@ -54,9 +55,7 @@ def test_a_tied_head_counts_the_table_once_and_metadata_not_at_all():
 
 
 def test_headers_of_written_files_agree_with_the_layout(tmp_path):
-    tiny = {**QWEN25_7B_INSTRUCT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_window_layers": 2, "vocab_size": 1000,
-            "bos_token_id": 998, "eos_token_id": 999}
+    tiny = {**QWEN25_7B_INSTRUCT, **TINY_QWEN}
     written = write_dummy_checkpoint(tmp_path / "w4", tiny, quant="w4a16", group_size=32, max_shard_bytes=50_000)
     config_only = write_dummy_checkpoint(tmp_path / "cfg", tiny, quant="w4a16", group_size=32, write_weights=False)
 

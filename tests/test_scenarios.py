@@ -75,6 +75,12 @@ def test_packaged_gpu_suite_validates_and_each_step_needs_one_engine_start():
     assert (merged.kind, merged.shared_prefix_len, merged.enable_prefix_caching, merged.max_model_len) == (
         "offline", 192, True, 512)
     assert suite.scenarios["serving"].load_sizes()[0] == ("c=1", 1, None, 4)
+    # Each cross-check runs `vllm bench throughput`'s sampler, on a scenario our vLLM also runs in the same part.
+    for bench in (s for s in suite.steps if s.engine == "vllm-bench"):
+        (name,) = bench.scenarios
+        assert suite.scenarios[name].temperature == 1.0 and suite.scenarios["offline"].temperature == 0
+        ours = [s for s in suite.steps if s.engine == "vllm" and s.build == bench.build and name in s.scenarios]
+        assert ours and ours[0].part.startswith("offline")
 
 
 def test_broken_suites_are_one_line_errors(tmp_path):
@@ -93,6 +99,11 @@ def test_broken_suites_are_one_line_errors(tmp_path):
         load_gpu_suite(write(lambda d: d["steps"][0].update(engine="vllm-serve", scenarios=["offline"])))
     with pytest.raises(CatalogError, match=r"scenario 'latency-compile' does not list engine 'vllm'"):
         load_gpu_suite(write(lambda d: d["steps"][0].update(scenarios=["latency-compile"])))
+    with pytest.raises(CatalogError, match=r"steps.2: vllm bench throughput samples at temperature 1 \(top-p 1\), "
+                                           r"the scenario at 0: cross-check a twin of it with temperature: 1"):
+        load_gpu_suite(write(lambda d: d["steps"][2].update(scenarios=["offline"])))
+    with pytest.raises(CatalogError, match=r"temperature"):
+        load_gpu_suite(write(lambda d: d["scenarios"]["offline"].update(temperature=-1)))
     with pytest.raises(CatalogError, match=r"unknown build 'fp8'"):
         load_gpu_suite(write(lambda d: d["steps"][0].update(build="fp8")))
     mixed = load_gpu_suite(write(lambda d: d["steps"][0].update(scenarios=["offline", "prefix-on"])))

@@ -20,6 +20,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from tests.shapes import SMALL_QWEN
 from quantgate.tasks.dummy_weights import QWEN25_7B_INSTRUCT, write_dummy_checkpoint
 from quantgate.tasks.serving import (
     RequestRecord,
@@ -144,8 +145,16 @@ def test_timings_follow_the_server_delays(fake):
     assert body["prompt"] == [OK, 300, 100, 1, 42, 43]
     assert body["model"] == "fake-model"
     assert (body["max_tokens"], body["min_tokens"], body["ignore_eos"]) == (5, 5, True)
-    assert body["temperature"] == 0.0 and body["stream"] is True
+    assert body["temperature"] == 0.0 and body["stream"] is True and "top_p" not in body
     assert body["stream_options"] == {"include_usage": True}
+    assert run.config["temperature"] == 0.0
+
+
+def test_a_sampled_load_sends_its_temperature_with_top_p_one(fake):
+    srv, url = fake
+    run = run_load(url, [[OK, 1, 1, 1, 42]], output_len=3, temperature=1.0)
+    assert (srv.bodies[0]["temperature"], srv.bodies[0]["top_p"]) == (1.0, 1.0)
+    assert run.config["temperature"] == 1.0 and run.records[0].output_tokens == 3
 
 
 def test_chunks_carrying_several_tokens_count_by_usage(fake):
@@ -404,19 +413,7 @@ def test_vllm_bench_throughput_reads_json_and_summary_line(tmp_path):
 # --- on the device: real `vllm serve` and `vllm bench throughput` on a small dummy checkpoint ----------
 
 _NO_GPU = importlib.util.find_spec("vllm") is None or not torch.cuda.is_available()
-# Small, but with shapes the W4A16 Marlin kernels take (in_features % 128, out_features % 64).
-_SMALL_QWEN = {
-    **QWEN25_7B_INSTRUCT,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_window_layers": 2,
-    "vocab_size": 2048,
-    "bos_token_id": 2046,
-    "eos_token_id": 2047,
-}
+_SMALL_QWEN = {**QWEN25_7B_INSTRUCT, **SMALL_QWEN}
 _ENGINE_ARGS = ["--max-model-len", "256", "--gpu-memory-utilization", "0.3", "--enforce-eager", "--seed", "0"]
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests (pytest -m gpu) on the device, after the devkit is installed. From the repository root:
 #     bash benchmarks/gpu/run_tests.sh [pytest args]
-# Writes $OUT/gpu_tests.txt (default ./gpu-out) besides printing. Needs pytest-xdist (in the device image).
+# Writes $OUT/gpu_tests.txt (default ./gpu-out) besides printing, one line per test as it ends (-v), so a run cut
+# short by a call's limit still says which tests passed. Needs pytest-xdist (in the device image).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$REPO"
@@ -14,6 +15,6 @@ mkdir -p "$OUT"
 GPUS="${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
 WORKERS=$(echo "$GPUS" | tr ',' '\n' | grep -c .)
 export QUANTGATE_TEST_GPUS="$GPUS"
-python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" -n "$WORKERS" --durations=0 "${@:-tests}" 2>&1 \
+python3 -m pytest -m gpu -v -p no:cacheprovider -o addopts="-ra" -n "$WORKERS" --durations=0 "${@:-tests}" 2>&1 \
     | tee "$OUT/gpu_tests.txt"
 exit "${PIPESTATUS[0]}"

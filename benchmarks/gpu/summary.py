@@ -46,9 +46,9 @@ def render(con: Any, run_id: str | None = None) -> str:
     ])
     parts += _section("Offline throughput (output tokens/s): Transformers vs vLLM", _offline(speed), [
         ("variant", "variant", str), ("Transformers", "transformers", _f(0)), ("vLLM", "vllm", _f(0)),
-        ("vLLM ÷ Transformers", "ratio", _f(2)), ("vllm bench", "vllm-bench", _f(0)), ("note", "note", _text),
+        ("vLLM ÷ Transformers", "ratio", _f(2)), ("note", "note", _text),
     ], note="Same 'offline' scenario for both engines; vLLM takes every prompt in one call, Transformers"
-            " runs static batches. vllm bench: `vllm bench throughput` on the same config.")
+            " runs static batches. `vllm bench throughput` is in the cross-check below.")
     parts += _section(
         "Quantized over base (same engine and scenario)",
         store.rows(con, "SELECT s.*, v.name AS variant FROM variant_speedup s JOIN variants v USING (variant_uid)"
@@ -104,6 +104,28 @@ def render(con: Any, run_id: str | None = None) -> str:
     ], note="Peak: device memory in use at its highest during the scenario (NVML, minus what was in use"
             " before), or the torch allocator's reserve if higher; vLLM reserves gpu_memory_utilization of"
             " the GPU up front. Torch peak is the measuring process's allocator (vLLM's is in its engine core).")
+    parts += _section(
+        "Tuned serving config (sweep of vLLM settings): best point by goodput at the SLO vs vLLM's defaults",
+        store.rows(con, "SELECT * FROM tuned_serving_config WHERE run_id = ? ORDER BY variant, sweep", [rid]),
+        [("variant", "variant", str), ("sweep", "sweep", str), ("points", "points", str), ("ok", "points_ok", str),
+         ("best point", "best_point", str), ("kernel", "best_kernel", _text),
+         ("best goodput req/s", "best_goodput", _f(2)), ("at load", "best_load", _text),
+         ("default goodput req/s", "default_goodput", _f(2)), ("gain %", "gain_pct", _f(1)),
+         ("best other point", "best_other_point", _text), ("its gain %", "best_other_gain_pct", _f(1))],
+        note="gain % > 0: the tuned config beat vLLM's defaults; when the defaults win, the best other point's"
+             " (negative) gain says by how little it lost.",
+    )
+    parts += _section(
+        "Cost per million output tokens",
+        store.rows(con, "SELECT c.*, v.name AS variant FROM variant_cost c JOIN variants v USING (variant_uid)"
+                        " WHERE c.run_id = ? ORDER BY v.name, c.engine, c.scenario", [rid]),
+        [("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
+         ("US$/h", "usd_per_hour", _f(2)), ("devices", "num_devices", str), ("out tok/s", "tokens_per_s", _f(0)),
+         ("US$ / M tokens", "usd_per_million_output_tokens", _f(4)), ("SLO load", "slo_load", _text),
+         ("US$ / M tokens at SLO", "usd_per_million_output_tokens_at_slo", _f(4))],
+        note="Price per device-hour from the run's price table (run_prices) × devices ÷ output tokens per hour."
+             " At SLO: the fastest serving load with at least 90% of its requests within the SLO.",
+    )
     parts += _section("Levers", _levers(speed), [
         ("variant", "variant", str), ("lever", "lever", str), ("engine", "engine", str),
         ("baseline", "baseline", str), ("with lever", "scenario", str), ("metric", "metric", str),

@@ -69,7 +69,10 @@ class Engine(Protocol):
 
     def load(self, model_path: str, options: EngineOptions) -> None: ...
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True) -> Generation: ...
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+                 temperature: float = 0.0) -> Generation:
+        """Greedy at temperature 0, else sampling at that temperature with top-p 1 and no top-k."""
+        ...
 
     def stats(self) -> dict[str, Any]:
         """What the loaded engine reports about itself: KV-cache budget, cumulative counters."""

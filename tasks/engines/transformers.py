@@ -79,7 +79,8 @@ class TransformersEngine:
         self._tokenizer = tokenizer
         self._compile = options.compile
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True) -> Generation:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+                 temperature: float = 0.0) -> Generation:
         if self._model is None:
             raise EngineError("transformers engine: generate() before load()")
         batch = self._tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self._device)
@@ -92,7 +93,8 @@ class TransformersEngine:
                 max_new_tokens=max_new_tokens,
                 # Forbidding EOS until max_new_tokens makes every sequence exactly that long.
                 min_new_tokens=max_new_tokens if ignore_eos else None,
-                do_sample=False,
+                **({"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0
+                   else {"do_sample": False}),
                 pad_token_id=self._tokenizer.pad_token_id,
                 streamer=clock,
                 # A static cache lets generate() compile the decoding step (CUDA graphs, on a GPU);

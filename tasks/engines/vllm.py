@@ -61,7 +61,8 @@ class VllmEngine:
         )
         self._speculative = bool(options.speculative_config)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True) -> Generation:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+                 temperature: float = 0.0) -> Generation:
         if self._llm is None:
             raise EngineError("vllm engine: generate() before load()")
         from vllm import SamplingParams, TokensPrompt
@@ -72,7 +73,8 @@ class VllmEngine:
             # the same tokens in both engines; ignore_eos alone would let EOS be chosen and carried on.
             min_tokens=max_new_tokens if ignore_eos else 0,
             ignore_eos=ignore_eos,
-            temperature=0.0,
+            temperature=temperature,
+            top_p=1.0,
             detokenize=False,
         )
         start_wall = time.time()

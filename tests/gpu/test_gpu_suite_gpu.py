@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from tests.shapes import SMALL_QWEN
 from quantgate.flows.gpu_suite import gpu_suite
 from quantgate.warehouse import store
 
@@ -19,10 +20,6 @@ pytestmark = [
                        reason="needs vllm and a CUDA GPU"),
 ]
 
-# Small, with shapes the W4A16 Marlin kernels take (in_features % 128, out_features % 64).
-SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_window_layers": 2, "vocab_size": 2048, "bos_token_id": 2046,
-         "eos_token_id": 2047}
 COMMON = {"device": "cuda", "dtype": "bfloat16", "weights": "dummy", "max_model_len": 256, "enforce_eager": True,
           "gpu_memory_utilization": 0.3, "num_prompts": 16, "input_len": 64, "output_len": 32, "batch_size": 8,
           "warmup": 1, "repetitions": 1}
@@ -33,11 +30,12 @@ def _suite(tmp_path):
     latency = {**offline, "kind": "latency", "num_prompts": 2}
     suite = {
         "version": 1,
-        "shapes": {"small": {"preset": "qwen2.5-7b-instruct", "overrides": SMALL}},
+        "shapes": {"small": {"preset": "qwen2.5-7b-instruct", "overrides": SMALL_QWEN}},
         "builds": {"bf16": {}, "w4a16-g128": {"quant": "w4a16", "group_size": 128}},
         "base_build": "bf16",
         "scenarios": {
             "offline": offline,
+            "offline-sampled": {**offline, "engines": ["vllm"], "temperature": 1.0},
             "latency": latency,
             "latency-ngram": {**latency, "engines": ["vllm"], "speculative": "ngram"},
             "latency-compile": {**latency, "engines": ["transformers"], "transformers_compile": True},
@@ -45,9 +43,9 @@ def _suite(tmp_path):
                         "request_rates": [20], "num_prompts": 8, "slo": {"ttft_ms": 10_000, "tpot_ms": 1_000}},
         },
         "steps": [
-            {"part": "offline", "engine": "vllm", "build": "bf16", "scenarios": ["offline", "latency"]},
+            {"part": "offline", "engine": "vllm", "build": "bf16", "scenarios": ["offline", "latency", "offline-sampled"]},
             {"part": "offline", "engine": "vllm", "build": "w4a16-g128", "scenarios": ["offline", "latency"]},
-            {"part": "offline", "engine": "vllm-bench", "build": "bf16", "scenarios": ["offline"]},
+            {"part": "offline", "engine": "vllm-bench", "build": "bf16", "scenarios": ["offline-sampled"]},
             {"part": "transformers", "engine": "transformers", "build": "bf16", "scenarios": ["offline", "latency"]},
             {"part": "transformers", "engine": "transformers", "build": "w4a16-g128", "scenarios": ["offline"]},
             {"part": "serving", "engine": "vllm-serve", "build": "bf16", "scenarios": ["serving"]},
@@ -84,6 +82,7 @@ def test_vllm_offline_latency_roofline_and_the_bench_crosscheck(tmp_path):
             assert lat["bandwidth_gbps"] > 1000 and lat["weight_bytes_per_token"] > 0
             assert 0 < lat["roofline_fraction"] < 1.2
         (cc,) = store.rows(con, "SELECT * FROM vllm_crosscheck")
+        assert cc["scenario"] == "offline-sampled" and speed[("vllm", "offline-sampled", "bf16")]["output_tokens"] == 16 * 32
         assert cc["bench_output_tokens_per_s"] > 0 and abs(cc["output_gap_pct"]) < 90
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from tests.shapes import SMALL_QWEN
 from quantgate.flows.gpu_suite import gpu_suite
 from quantgate.warehouse import store
 
@@ -21,11 +22,6 @@ pytestmark = [
                        reason="needs vllm and a CUDA GPU"),
 ]
 
-# Shapes the W4A16 Marlin and Machete kernels take (in_features % 128, out_features % 64).
-SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_window_layers": 2, "vocab_size": 2048, "bos_token_id": 2046,
-         "eos_token_id": 2047}
-
 
 def test_w4a16_sweep_picks_a_tuned_config_and_prices_it(tmp_path):
     sweep = {"kind": "serving", "engines": ["vllm"], "device": "cuda", "dtype": "bfloat16", "weights": "dummy",
@@ -33,7 +29,7 @@ def test_w4a16_sweep_picks_a_tuned_config_and_prices_it(tmp_path):
              "output_len": 32, "concurrency": [1, 8], "rounds": 2, "num_prompts": 16, "warmup": 1,
              "slo": {"ttft_ms": 10_000, "tpot_ms": 1_000},
              "sweep": {"kv_cache_dtype": ["fp8"], "kernel": ["MarlinLinearKernel"]}}
-    suite = {"version": 1, "shapes": {"small": {"preset": "qwen2.5-7b-instruct", "overrides": SMALL}},
+    suite = {"version": 1, "shapes": {"small": {"preset": "qwen2.5-7b-instruct", "overrides": SMALL_QWEN}},
              "builds": {"bf16": {}, "w4a16-g128": {"quant": "w4a16", "group_size": 128}}, "base_build": "bf16",
              "scenarios": {"sw": sweep}, "gpu_prices": {"NVIDIA": 3.0},
              "steps": [{"part": "sweep", "engine": "vllm-serve", "build": "w4a16-g128", "scenarios": ["sw"],
