@@ -464,10 +464,19 @@ class SpeedGate(Strict):
     min_speedup: float = Field(gt=0)
 
 
+class ServingGate(Strict):
+    """The variant's goodput at the SLO on a serving scenario (its tuned serving config's, when the scenario
+    sweeps vLLM settings) over the base's, in the same run."""
+
+    scenario: str
+    min_goodput_ratio: float = Field(gt=0)
+
+
 class Policy(Strict):
     version: int
     quality: tuple[QualityGate, ...]
     speed: SpeedGate | None = None
+    serving: ServingGate | None = None
     # Accept only variants that are smaller than base by at least this factor (size ÷ base size).
     max_size_ratio: float = Field(default=1.0, gt=0, le=1.0)
     # Recovery is estimated with a two-sided interval at this confidence (paired bootstrap over items);
@@ -556,6 +565,9 @@ class Catalog(Strict):
                     raise ValueError(f"models.{i}.scenarios: unknown scenario {s!r}; defined: {sorted(self.scenarios)}")
         if self.policy.speed and self.policy.speed.scenario not in self.scenarios:
             raise ValueError(f"policy.speed.scenario: unknown scenario {self.policy.speed.scenario!r}")
+        if (gate := self.policy.serving) and (gate.scenario not in self.scenarios
+                                             or self.scenarios[gate.scenario].kind != "serving"):
+            raise ValueError(f"policy.serving.scenario: {gate.scenario!r} is not a serving scenario of the catalog")
         for name, e in self.endpoints.items():
             for sc in e.scenarios:
                 if sc not in self.scenarios:

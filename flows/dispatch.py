@@ -13,14 +13,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger
+from prefect import get_run_logger, tags
 
 from quantgate.catalog.schema import Catalog, ModelSpec, ScenarioSpec
 from quantgate.tasks.benchmark import benchmark_task
 from quantgate.tasks.records import SpeedResult, VariantArtifact
+from quantgate.tasks.serving import ServingLoad, measured_from_dict, serving_task
 
 GPU_RESULTS = "gpu-results"
+SERVING_LOGS = "serving-logs"
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+# A speed row and, for a serving scenario, its loads with their per-request rows.
+Measured = tuple[SpeedResult, list[ServingLoad]]
 
 
 def is_gpu_work(engine: str, scenario: ScenarioSpec) -> bool:
@@ -58,13 +62,24 @@ def wait(run_ids: Sequence[str], timeout_s: float, poll_s: float = 2.0) -> dict[
             time.sleep(poll_s)
 
 
+def measure(model_path: str, engine: str, name: str, scenario: ScenarioSpec, log_dir: Path,
+            label: str) -> list[Measured]:
+    """One (engine, scenario) on one checkpoint here: an engine run (offline, latency), or `vllm serve`
+    driven through the scenario's loads (serving; one run per point of its sweep, logs under log_dir)."""
+    if scenario.kind == "serving":
+        serve = serving_task.with_options(task_run_name=f"serve {name} on {label}")
+        return serve(model_path, name, scenario, work_dir=log_dir)
+    bench = benchmark_task.with_options(task_run_name=f"benchmark {engine} {name} on {label}")
+    return [(bench(model_path, engine, name, scenario), [])]
+
+
 def benchmark_all(
     variants: Sequence[VariantArtifact], spec: ModelSpec, cat: Catalog, root: Path,
     gpu_deployment: str | None = None, timeout_s: float = 6 * 3600, engines: Sequence[str] | None = None,
-    on_variant: Callable[[str, list[SpeedResult]], None] | None = None,
-) -> dict[str, list[SpeedResult]]:
+    on_variant: Callable[[str, list[Measured]], None] | None = None,
+) -> dict[str, list[Measured]]:
     """Every (scenario, engine) of `spec` on every variant, by variant uid, in catalog order (only the
-    engines named in `engines`, when given).
+    engines named in `engines`, when given); serving scenarios (vLLM only) bring their loads along.
 
     With `gpu_deployment`, GPU work is submitted first as runs of that deployment (one per variant,
     engine and scenario; the GPU pool's workers take one GPU each), CPU work runs here meanwhile, and
@@ -94,18 +109,17 @@ def benchmark_all(
                         tags=["quantgate", "gpu", f"model:{spec.id}", f"variant:{v.name}", f"engine:{engine}"])
         if pending:
             log.info("%d GPU benchmark step(s) submitted to %s", len(pending), gpu_deployment)
-    local: dict[tuple[str, str, str], SpeedResult] = {}
-    results: dict[str, list[SpeedResult]] = {}
+    local: dict[tuple[str, str, str], list[Measured]] = {}
+    results: dict[str, list[Measured]] = {}
     for v in variants:
         for key, scenario in keys(v):
             if key not in pending:
                 _, name, engine = key
-                task = benchmark_task.with_options(
-                    task_run_name=f"benchmark {engine} {name} on {spec.id}/{v.name}",
-                    tags={*benchmark_task.tags, f"model:{spec.id}", f"variant:{v.name}"})
-                local[key] = task(v.path, engine, name, scenario)
+                with tags(f"model:{spec.id}", f"variant:{v.name}"):
+                    local[key] = measure(v.path, engine, name, scenario, root / SERVING_LOGS / v.name / name,
+                                         f"{spec.id}/{v.name}")
         if not any(key in pending for key, _ in keys(v)):
-            results[v.uid] = [local[key] for key, _ in keys(v)]
+            results[v.uid] = [m for key, _ in keys(v) for m in local[key]]
             if on_variant:
                 on_variant(v.uid, results[v.uid])
     runs = wait(list(pending.values()), timeout_s) if pending else {}
@@ -113,8 +127,8 @@ def benchmark_all(
         if v.uid in results:
             continue
         results[v.uid] = [
-            local[key] if key in local else _gpu_result(runs[pending[key]], out_dir, key[2], key[1], scenario)
-            for key, scenario in keys(v)
+            m for key, scenario in keys(v)
+            for m in (local[key] if key in local else _gpu_result(runs[pending[key]], out_dir, key[2], key[1], scenario))
         ]
         if on_variant:
             on_variant(v.uid, results[v.uid])
@@ -125,15 +139,15 @@ def _kept(declared: Sequence[str], engines: Sequence[str] | None) -> list[str]:
     return [e for e in declared if not engines or e in engines]
 
 
-def _gpu_result(run: Any, out_dir: Path, engine: str, name: str, scenario: ScenarioSpec) -> SpeedResult:
+def _gpu_result(run: Any, out_dir: Path, engine: str, name: str, scenario: ScenarioSpec) -> list[Measured]:
     file = out_dir / f"{run.id}.json"
     state = run.state
     if state is not None and state.type.value == "COMPLETED" and file.is_file():
-        return SpeedResult(**json.loads(file.read_text()))
+        return [measured_from_dict(r) for r in json.loads(file.read_text())["runs"]]
     if state is not None and state.type.value == "COMPLETED":
         reason = f"GPU run {run.name} completed but left no result file {file} (is the work dir shared?)"
     elif state is None or state.type.value not in FINAL:
         reason = f"GPU run {run.name} did not finish in time (state {state.name if state else 'unknown'})"
     else:
         reason = f"GPU run {run.name} {state.type.value.lower()}: {(state.message or '').strip()[:200]}"
-    return SpeedResult(engine, name, "failed", reason, scenario.model_dump(mode="json"))
+    return [(SpeedResult(engine, name, "failed", reason, scenario.model_dump(mode="json")), [])]

@@ -31,6 +31,7 @@ from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import CalibrationError, base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import MetricResult, ModelArtifact, VariantArtifact
+from quantgate.tasks.serving import Slo
 from quantgate.warehouse import store
 
 
@@ -249,9 +250,14 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
 
     # GPU benchmarks may run on the GPU pool; their results come back here, the one warehouse writer,
     # and each variant's rows are stored with its completion mark as soon as they are all in.
-    def store_speed(uid: str, results: list) -> None:
+    def store_speed(uid: str, measured: list[dispatch.Measured]) -> None:
         with run.stage("benchmark", uid) as con:
-            store.record_speed(con, run_id, uid, results)
+            store.record_speed(con, run_id, uid, [result for result, _ in measured])
+            for result, loads in measured:
+                if loads:
+                    slo = result.config.get("slo")
+                    store.record_serving(con, run_id, uid, result.engine, result.scenario, loads,
+                                         Slo(**slo) if slo else None)
 
     pending = [v for v in [base, *variants_ok] if not run.is_done("benchmark", v.uid)]
     dispatch.benchmark_all(pending, spec, cat, root, gpu_deployment, engines=engines, on_variant=store_speed)
@@ -264,12 +270,13 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         policy = spec.policy or cat.policy
         samples = store.paired_samples(con, run_id, [(g.task, g.metric) for g in policy.quality])
         flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = ?", [run_id])
+        serving = store.rows(con, "SELECT * FROM variant_serving WHERE run_id = ?", [run_id])
         rows = store.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
                                " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
         of = lambda found, row: [r for r in found if r["variant_uid"] == row["variant_uid"]]  # noqa: E731
         decisions = [
             decide_task(row, base.size_bytes, of(recovery, row), of(speed, row), policy,
-                        of(samples, row), of(flips, row))
+                        of(samples, row), of(flips, row), of(serving, row))
             for row in rows
         ]
         store.record_decisions(con, run_id, decisions, policy.model_dump(mode="json"))

@@ -1,8 +1,9 @@
-"""gpu-step: one GPU benchmark (an engine on a scenario for one checkpoint), run on the GPU work pool.
+"""gpu-step: one GPU benchmark (an engine on a scenario for one checkpoint, or a serving scenario's
+`vllm serve` runs), run on the GPU work pool.
 
 evaluate-model submits these with `run_deployment` when it is given a GPU deployment. The step never
 writes the warehouse: it leaves its result as `<out_dir>/<flow run id>.json` (and returns it), and
-the parent flow, the warehouse's one writer, stores it. Each step holds a slot of the global
+the parent flow, the warehouse's one writer, stores it (speed rows, and a serving scenario's loads). Each step holds a slot of the global
 concurrency limit `gpu:<host>:<CUDA_VISIBLE_DEVICES>` (limit 1, created on first use), so two
 benchmarks never share a GPU even when a worker starts two runs at once.
 """
@@ -20,7 +21,8 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from quantgate.catalog.schema import ScenarioSpec
-from quantgate.tasks.benchmark import benchmark_task
+from quantgate.flows.dispatch import SERVING_LOGS, measure
+from quantgate.tasks.serving import measured_to_dict
 
 SLOT_ENV = "QUANTGATE_GPU_SLOT"
 
@@ -61,15 +63,17 @@ def gpu_step(model_path: str, engine: str, scenario_name: str, scenario: dict[st
     slot = slot_name()
     ensure_limit(slot)
     get_run_logger().info("waiting for GPU slot %s", slot)
-    with concurrency(slot, occupy=1, strict=True):
-        result = benchmark_task(model_path, engine, scenario_name, spec)
-    payload = result.as_dict()
     out = Path(out_dir)
+    with concurrency(slot, occupy=1, strict=True):
+        measured = measure(model_path, engine, scenario_name, spec, out.parent / SERVING_LOGS / str(flow_run.id),
+                           label or Path(model_path).name)
+    payload = {"runs": [measured_to_dict(result, loads) for result, loads in measured]}
     out.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".gpu-step.", dir=out)
     with os.fdopen(fd, "w") as fh:
         json.dump(payload, fh)
     os.replace(tmp, out / f"{flow_run.id}.json")
-    get_run_logger().info("%s %s: %s%s", engine, scenario_name, result.status,
-                          f" ({result.reason})" if result.reason else "")
+    for result, _ in measured:
+        get_run_logger().info("%s %s: %s%s", engine, result.scenario, result.status,
+                              f" ({result.reason})" if result.reason else "")
     return payload

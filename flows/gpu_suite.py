@@ -37,7 +37,7 @@ from quantgate.tasks.benchmark import engine_options, resolve_device, run_scenar
 from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
-from quantgate.tasks.serving import ServingLoad, Slo, bench_scenario, serve_scenario, serve_sweep
+from quantgate.tasks.serving import ServingLoad, Slo, bench_scenario, serve_variant
 from quantgate.warehouse import store
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
@@ -248,12 +248,8 @@ def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[st
                 store.record_serving(con, run_id, uid, "vllm", result.scenario, loads, _slo(scenario))
                 store.record_speed(con, run_id, uid, [result])
 
-        if scenario.sweep is not None:
-            # The tuned serving config: one serving run per point, each stored as soon as it is done.
-            runs = serve_sweep(str(build.path), name, scenario, work_dir=work, timeout_s=remaining, on_point=record)
-        else:
-            runs = [serve_scenario(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)]
-            record(*runs[0])
+        # With a sweep (the tuned serving config): one serving run per point, each stored as soon as it is done.
+        runs = serve_variant(str(build.path), name, scenario, work_dir=work, timeout_s=remaining, on_point=record)
         return _summarise([result for result, _ in runs])
     with store.session(wh) as con:
         store.record_speed(con, run_id, uid, results)

@@ -90,6 +90,31 @@ def _speed_check(policy: Policy, speed: Sequence[dict[str, Any]]) -> dict[str, A
             "note": f"{name} speedup {s:.2f}x {'>=' if ok else '<'} {gate.min_speedup}x"}
 
 
+def _serving_check(policy: Policy, serving: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    gate = policy.serving
+    if gate is None:
+        return None
+    name = f"serving {gate.scenario}"
+    rows = [r for r in serving if r["scenario"] == gate.scenario]
+    if not rows or rows[0]["goodput_requests_per_s"] is None or rows[0]["base_goodput_requests_per_s"] is None:
+        why = (rows[0]["reason"] or "no base measurement") if rows else "not run"
+        return {"check": name, "passed": None, "note": f"{name} not measured ({why})"}
+    r = rows[0]
+    goodput, base = r["goodput_requests_per_s"], r["base_goodput_requests_per_s"]
+    config = "vLLM's defaults" if r["point"] == "default" else f"tuned config {r['point']}"
+    evidence = f"{goodput:.3g} req/s at {r['load']}, {config}; base {base:.3g} req/s ({r['base_point']})"
+    check = {"check": name, "value": r["goodput_ratio"], "threshold": gate.min_goodput_ratio, "point": r["point"],
+             "settings": r["settings"], "load": r["load"], "goodput": goodput, "base_goodput": base,
+             "base_point": r["base_point"]}
+    if base == 0:
+        # The base meets the SLO on no load: any goodput beats it, none is no evidence either way.
+        ok = True if goodput > 0 else None
+        return {**check, "passed": ok, "note": f"{name} goodput at the SLO {evidence}: the base meets it on no load"}
+    ok = r["goodput_ratio"] >= gate.min_goodput_ratio
+    return {**check, "passed": ok, "note": f"{name} goodput at the SLO {r['goodput_ratio']:.2f}x base"
+            f" {'>=' if ok else '<'} {gate.min_goodput_ratio}x ({evidence})"}
+
+
 def _size_check(policy: Policy, size_bytes: int | None, base_size_bytes: int | None) -> dict[str, Any]:
     if not size_bytes or not base_size_bytes:
         return {"check": "size", "passed": False, "note": "size on disk unknown"}
@@ -107,9 +132,11 @@ def decide(
     policy: Policy,
     samples: Sequence[dict[str, Any]] = (),
     flips: Sequence[dict[str, Any]] = (),
+    serving: Sequence[dict[str, Any]] = (),
 ) -> Decision:
-    """`variant` is a row of `variants`; `recovery`, `speed`, `samples` and `flips` are its rows of the views
-    `variant_recovery`, `variant_speedup`, `variant_paired_samples` and `variant_flips`."""
+    """`variant` is a row of `variants`; `recovery`, `speed`, `samples`, `flips` and `serving` are its rows of
+    the views `variant_recovery`, `variant_speedup`, `variant_paired_samples`, `variant_flips` and
+    `variant_serving`."""
     uid = variant["variant_uid"]
     if variant["status"] != "built":
         # A skipped variant (its backend cannot run where the flow ran) was never measured: not accepted.
@@ -122,6 +149,8 @@ def decide(
     speed_check = _speed_check(policy, speed)
     if speed_check:
         checks.append(speed_check)
+    if serving_check := _serving_check(policy, serving):
+        checks.append(serving_check)
     checks.append(_size_check(policy, variant.get("size_bytes"), base_size_bytes))
 
     failed = [c for c in checks if c["passed"] is False]

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from quantgate.catalog.schema import ScenarioSpec, bench_mismatch
 from quantgate.tasks import engines
@@ -933,6 +935,36 @@ def serve_sweep(
     return out
 
 
+def serve_variant(
+    model_path: str,
+    scenario_name: str,
+    scenario: ScenarioSpec,
+    *,
+    work_dir: str | Path,
+    timeout_s: float = 1800.0,
+    on_point: Callable[[SpeedResult, list[ServingLoad]], None] | None = None,
+) -> list[tuple[SpeedResult, list[ServingLoad]]]:
+    """A serving scenario on one checkpoint: one `vllm serve` run, or one per point of its sweep (the rows
+    the tuned serving config is picked from). `on_point` gets each run as soon as it is done."""
+    if scenario.sweep is not None:
+        return serve_sweep(model_path, scenario_name, scenario, work_dir=work_dir, timeout_s=timeout_s,
+                           on_point=on_point)
+    run = serve_scenario(model_path, scenario_name, scenario, work_dir=work_dir, timeout_s=timeout_s)
+    if on_point:
+        on_point(*run)
+    return [run]
+
+
+def measured_to_dict(result: SpeedResult, loads: list[ServingLoad]) -> dict[str, Any]:
+    """A speed row and its serving loads (none for an engine run) as JSON-ready data, for a GPU step's result file."""
+    return {"result": result.as_dict(), "loads": [dataclasses.asdict(load) for load in loads]}
+
+
+def measured_from_dict(data: dict[str, Any]) -> tuple[SpeedResult, list[ServingLoad]]:
+    loads = [ServingLoad(**{**load, "records": [RequestRecord(**r) for r in load["records"]]}) for load in data["loads"]]
+    return SpeedResult(**data["result"]), loads
+
+
 def drive_loads(
     server: ServerHandle,
     scenario: ScenarioSpec,
@@ -1077,3 +1109,6 @@ def _vllm_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return out
+
+
+serving_task = task(serve_variant, name="serve", tags=["benchmark"], cache_policy=NO_CACHE)

@@ -45,6 +45,9 @@ def test_default_catalog_loads_and_resolves_paths():
         (lambda d: d["models"][0].__setitem__("colour", "red"), "models.0.colour: Extra inputs are not permitted"),
         (lambda d: d["models"][2]["source"].__setitem__("repo_id", "noslash"), "hub repo_id must look like 'org/name'"),
         (lambda d: d.pop("policy"), "policy: Field required"),
+        (lambda d: d.__setitem__("policy", {"version": 1, "quality": [],
+                                            "serving": {"scenario": "gpu-throughput", "min_goodput_ratio": 1.0}}),
+         "policy.serving.scenario: 'gpu-throughput' is not a serving scenario of the catalog"),
     ],
 )
 def test_bad_catalog_is_one_line_naming_file_and_key(tmp_path, mutate, expected):

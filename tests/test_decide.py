@@ -132,3 +132,43 @@ def test_an_optional_long_context_gate_is_noted_where_unmeasurable_and_gates_whe
                for i, (x, y) in enumerate(zip(base, variant))]
     rejected = decide(VARIANT, 100, rec(0.98) + lost, speed(), policy, samples)
     assert rejected.decision == "reject" and rejected.reason.startswith("reject: qg_passkey/exact_match recovery 0.5")
+
+
+SERVING_POLICY = Policy.model_validate({
+    "version": 1,
+    "quality": [{"task": "ppl", "metric": "word_perplexity", "min_recovery": 0.95, "higher_is_better": False}],
+    "serving": {"scenario": "srv", "min_goodput_ratio": 0.95},
+    "max_size_ratio": 0.75,
+})
+
+
+def serving(goodput=24.0, base=16.0, point="kernel=MarlinLinearKernel", status="ok", reason=None):
+    ratio = None if goodput is None or not base else goodput / base
+    return [{"scenario": "srv", "status": status, "reason": reason, "point": point,
+             "settings": {"kernel": "MarlinLinearKernel"}, "load": "c=32", "goodput_requests_per_s": goodput,
+             "base_goodput_requests_per_s": base, "base_point": "default", "goodput_ratio": ratio}]
+
+
+def test_the_serving_gate_judges_the_tuned_config_and_keeps_it_in_the_checks():
+    d = decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY, serving=serving())
+    assert d.decision == "accept"
+    (check,) = [c for c in d.checks if c["check"] == "serving srv"]
+    assert check["passed"] and check["value"] == pytest.approx(1.5) and check["point"] == "kernel=MarlinLinearKernel"
+    assert check["settings"] == {"kernel": "MarlinLinearKernel"} and check["load"] == "c=32"
+    assert ("serving srv goodput at the SLO 1.50x base >= 0.95x (24 req/s at c=32, tuned config"
+            " kernel=MarlinLinearKernel; base 16 req/s (default))") in d.reason
+
+    slow = decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY, serving=serving(goodput=12.0, point="default"))
+    assert slow.reason.startswith("reject: serving srv goodput at the SLO 0.75x base < 0.95x (12 req/s at c=32,"
+                                  " vLLM's defaults;")
+
+
+def test_unmeasured_serving_is_noted_and_a_base_without_goodput_is_no_bar():
+    skipped = decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY,
+                     serving=serving(goodput=None, status="skipped", reason="vllm is not installed"))
+    assert skipped.decision == "accept" and "serving srv not measured (vllm is not installed)" in skipped.reason
+    assert "serving srv not measured (not run)" in decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY).reason
+    beats = decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY, serving=serving(goodput=3.0, base=0.0))
+    assert beats.decision == "accept" and "the base meets it on no load" in beats.reason
+    neither = decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY, serving=serving(goodput=0.0, base=0.0))
+    assert [c["passed"] for c in neither.checks if c["check"] == "serving srv"] == [None]

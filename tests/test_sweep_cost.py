@@ -7,6 +7,7 @@ with requests whose timings are chosen, so the picks (best point, load at the SL
 
 from __future__ import annotations
 
+import json
 from html import unescape
 
 import pytest
@@ -14,7 +15,15 @@ import yaml
 
 from quantgate.catalog.schema import CatalogError, ScenarioSpec, SweepSpec, load_gpu_suite, sweep_label
 from quantgate.tasks.records import SpeedResult, VariantArtifact
-from quantgate.tasks.serving import RequestRecord, ServingLoad, Slo, serve_sweep, sweep_settings
+from quantgate.tasks.serving import (
+    RequestRecord,
+    ServingLoad,
+    Slo,
+    measured_from_dict,
+    measured_to_dict,
+    serve_sweep,
+    sweep_settings,
+)
 from quantgate.warehouse import report, store
 
 
@@ -190,3 +199,47 @@ def test_report_shows_cost_and_the_tuned_config(warehouse):
     assert "<h2>Cost per million output tokens" in html and "<h2>Tuned serving config" in html
     assert "max_num_seqs=64" in html and "beat vLLM's defaults by 100%" in html
     assert "vLLM's defaults won; the best other point (enforce_eager=True) lost by 25%" in html
+
+
+def test_variant_serving_compares_tuned_configs_with_the_base(tmp_path):
+    path = tmp_path / "w.duckdb"
+    slo = Slo(ttft_ms=100)
+    point = lambda p, s: {"kind": "serving", "slo": {"ttft_ms": 100},  # noqa: E731
+                          "sweep": {"scenario": "gpu-serving", "point": p, "settings": s}}
+    with store.session(path) as con:
+        store.start_run(con, "r", "evaluate-model", "m", "catalog", "h", "host", {})
+        store.record_variant(con, "r", _variant("base"), "base")
+        store.record_variant(con, "r", _variant("w4"), "variant")
+        store.record_variant(con, "r", _variant("w8"), "variant")
+        # The base: 16 good req/s with vLLM's defaults; fp8 KV cache does no better.
+        _serving_row(con, "r", "base", "gpu-serving@default", [ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0)],
+                     slo, point("default", {}))
+        _serving_row(con, "r", "base", "gpu-serving@kv_cache_dtype=fp8",
+                     [ServingLoad("c=8", 8, None, _requests(12, 0.05), 1.0)], slo, point("kv_cache_dtype=fp8", {}))
+        # w4: its tuned config (Marlin) meets the SLO at c=32 with 24 req/s, 1.5x the base's best.
+        _serving_row(con, "r", "w4", "gpu-serving@default", [ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0)],
+                     slo, point("default", {}))
+        _serving_row(con, "r", "w4", "gpu-serving@kernel=MarlinLinearKernel", [
+            ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0),
+            ServingLoad("c=32", 32, None, _requests(24, 0.05) + _requests(8, 0.5, start=24), 1.0)],
+            slo, point("kernel=MarlinLinearKernel", {"kernel": "MarlinLinearKernel"}))
+        # w8: a serving run without a sweep that failed to start: no goodput, the reason kept.
+        store.record_speed(con, "r", "w8", [SpeedResult("vllm", "gpu-serving", "failed", "vllm serve exited (1)",
+                                                        {"kind": "serving"})])
+        rows = {r["variant_uid"]: r for r in store.rows(con, "SELECT * FROM variant_serving")}
+    assert set(rows) == {"w4", "w8"}  # variants only, each against the base
+    w4 = rows["w4"]
+    assert (w4["scenario"], w4["point"], w4["load"], w4["points"], w4["points_ok"]) == (
+        "gpu-serving", "kernel=MarlinLinearKernel", "c=32", 2, 2)
+    assert w4["goodput_requests_per_s"] == pytest.approx(24.0) and w4["base_goodput_requests_per_s"] == pytest.approx(16.0)
+    assert w4["base_point"] == "default" and w4["goodput_ratio"] == pytest.approx(1.5)
+    w8 = rows["w8"]
+    assert (w8["status"], w8["reason"], w8["goodput_requests_per_s"], w8["point"]) == (
+        "failed", "vllm serve exited (1)", None, "default")
+
+
+def test_a_serving_run_and_its_loads_travel_as_json():
+    loads = [ServingLoad("c=8", 8, None, _requests(2, 0.05), 1.5, 12.0, {"server": "vllm"})]
+    result = SpeedResult("vllm", "gpu-serving@default", "ok", None, {"kind": "serving"}, tokens_per_s=10.0)
+    data = json.loads(json.dumps(measured_to_dict(result, loads)))
+    assert measured_from_dict(data) == (result, loads)

@@ -1,0 +1,42 @@
+-- Serving goodput at the SLO per variant and serving scenario, against the base in the same run: the
+-- evidence of the policy's serving gate. A run's goodput at the SLO is its best load's good requests per
+-- second. A scenario with a sweep counts its best point, the tuned serving config (vLLM's defaults win
+-- ties), for the variant and for the base alike.
+
+-- Staging: every serving run's speed row (a sweep point's under its scenario's name) with its best load.
+CREATE OR REPLACE VIEW stg_serving_runs AS
+SELECT s.run_id, s.variant_uid, s.engine,
+       coalesce(s.config->>'$.sweep.scenario', s.scenario) AS scenario,
+       coalesce(s.config->>'$.sweep.point', 'default') AS point,
+       s.config->'$.sweep.settings' AS settings, s.status, s.reason,
+       g.goodput_requests_per_s, g.load, g.output_tokens_per_s
+FROM speed_results s
+LEFT JOIN (
+    SELECT run_id, variant_uid, engine, scenario,
+           max(goodput_requests_per_s) AS goodput_requests_per_s,
+           arg_max(load, goodput_requests_per_s) AS load,
+           arg_max(output_tokens_per_s, goodput_requests_per_s) AS output_tokens_per_s
+    FROM serving_goodput GROUP BY run_id, variant_uid, engine, scenario
+) g USING (run_id, variant_uid, engine, scenario)
+WHERE s.config->>'$.kind' = 'serving';
+
+CREATE OR REPLACE VIEW variant_serving AS
+WITH ranked AS (
+    SELECT *,
+           row_number() OVER (PARTITION BY run_id, variant_uid, engine, scenario
+                              ORDER BY goodput_requests_per_s DESC NULLS LAST, (point = 'default') DESC, point) AS k,
+           count(*) OVER w AS points,
+           sum(CASE WHEN status = 'ok' THEN 1 ELSE 0 END) OVER w AS points_ok
+    FROM stg_serving_runs
+    WINDOW w AS (PARTITION BY run_id, variant_uid, engine, scenario)
+),
+best AS (SELECT * FROM ranked WHERE k = 1)
+SELECT v.run_id, v.variant_uid, v.engine, v.scenario, v.status, v.reason, v.point, v.settings, v.load,
+       v.goodput_requests_per_s, v.output_tokens_per_s, v.points, v.points_ok,
+       b.goodput_requests_per_s AS base_goodput_requests_per_s, b.point AS base_point, b.load AS base_load,
+       v.goodput_requests_per_s / nullif(b.goodput_requests_per_s, 0) AS goodput_ratio
+FROM best v
+JOIN run_variants rv ON rv.run_id = v.run_id AND rv.variant_uid = v.variant_uid AND rv.role = 'variant'
+LEFT JOIN run_variants rb ON rb.run_id = v.run_id AND rb.role = 'base'
+LEFT JOIN best b ON b.run_id = v.run_id AND b.variant_uid = rb.variant_uid AND b.engine = v.engine
+                AND b.scenario = v.scenario;
