@@ -1,0 +1,73 @@
+"""Serving inside evaluate-model on the device: dispatch runs a serving scenario's sweep with real `vllm serve`
+starts for a base and a variant (the tiny model and a copy of it), the flow's store path writes the loads, the
+view variant_serving picks each one's tuned point, and the decision's serving check carries it. ~2-3 min."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import pytest
+import torch
+from prefect import flow
+from tests.shared_data import TINY_MODEL
+
+from quantgate.catalog.schema import DEFAULT_CATALOG, Policy, ScenarioSpec, load_catalog
+from quantgate.flows import dispatch
+from quantgate.tasks.decide import decide
+from quantgate.tasks.records import VariantArtifact
+from quantgate.tasks.serving import Slo
+from quantgate.warehouse import store
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
+                       reason="needs vllm and a CUDA GPU"),
+]
+
+SCENARIO = {"kind": "serving", "engines": ["vllm"], "num_prompts": 8, "input_len": 32, "output_len": 16,
+            "max_model_len": 64, "gpu_memory_utilization": 0.2, "enforce_eager": True, "concurrency": [1, 8],
+            "rounds": 1, "slo": {"ttft_ms": 10_000, "tpot_ms": 1_000}, "sweep": {"max_num_seqs": [4]}}
+
+
+def _artifact(uid: str, path: str) -> VariantArtifact:
+    return VariantArtifact(uid=uid, model_uid="tiny@0", name=uid, method="base", scheme=None, bits=16,
+                           group_size=None, path=path, recipe=None, recipe_hash=None, size_bytes=1)
+
+
+def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(TINY_MODEL, copy)
+    base, variant = _artifact("base", str(TINY_MODEL)), _artifact("copy", str(copy))
+    cat = load_catalog(DEFAULT_CATALOG)
+    cat = cat.model_copy(update={"scenarios": {**cat.scenarios, "srv": ScenarioSpec.model_validate(SCENARIO)}})
+    spec = cat.model("stories260k").model_copy(update={"scenarios": ("srv",)})
+    wh = tmp_path / "w.duckdb"
+    with store.session(wh) as con:
+        store.start_run(con, "r", "evaluate-model", "tiny", "catalog", "h", "host", {})
+        store.record_variant(con, "r", base, "base")
+        store.record_variant(con, "r", variant, "variant")
+
+    def keep(uid: str, measured: list[dispatch.Measured]) -> None:
+        with store.session(wh) as con:
+            store.record_speed(con, "r", uid, [r for r, _ in measured])
+            for r, loads in measured:
+                store.record_serving(con, "r", uid, r.engine, r.scenario, loads, Slo(**r.config["slo"]))
+
+    @flow
+    def run() -> dict:
+        return dispatch.benchmark_all([base, variant], spec, cat, tmp_path / "work", on_variant=keep)
+
+    measured = run()
+    assert [r.scenario for r, _ in measured["copy"]] == ["srv@default", "srv@max_num_seqs=4"]
+    assert all(r.status == "ok" and len(loads) == 2 for r, loads in measured["copy"]), measured["copy"]
+    with store.session(wh, read_only=True) as con:
+        (row,) = store.rows(con, "SELECT * FROM variant_serving")
+    assert row["variant_uid"] == "copy" and row["points"] == row["points_ok"] == 2
+    assert row["goodput_requests_per_s"] > 0 and row["goodput_ratio"] > 0
+    policy = Policy.model_validate({"version": 1, "quality": [],
+                                    "serving": {"scenario": "srv", "min_goodput_ratio": 0.01}})
+    d = decide({"variant_uid": "copy", "status": "built", "error": None, "size_bytes": 1}, 2, [], [], policy,
+               serving=[row])
+    (check,) = [c for c in d.checks if c["check"] == "serving srv"]
+    assert check["passed"] and check["point"] == row["point"] and check["load"] == row["load"]
