@@ -13,7 +13,8 @@ from html import unescape
 import pytest
 import yaml
 
-from quantgate.catalog.schema import CatalogError, ScenarioSpec, SweepSpec, load_gpu_suite, sweep_label
+from quantgate.catalog.schema import CatalogError, Policy, ScenarioSpec, SweepSpec, load_gpu_suite, sweep_label
+from quantgate.tasks.decide import decide
 from quantgate.tasks.records import SpeedResult, VariantArtifact
 from quantgate.tasks.serving import (
     RequestRecord,
@@ -227,6 +228,15 @@ def test_variant_serving_compares_tuned_configs_with_the_base(tmp_path):
         store.record_speed(con, "r", "w8", [SpeedResult("vllm", "gpu-serving", "failed", "vllm serve exited (1)",
                                                         {"kind": "serving"})])
         rows = {r["variant_uid"]: r for r in store.rows(con, "SELECT * FROM variant_serving")}
+        # The decision keeps the tuned config it judged; the scorecard reads it back.
+        policy = Policy.model_validate({"version": 1, "quality": [],
+                                        "serving": {"scenario": "gpu-serving", "min_goodput_ratio": 1.0}})
+        built = {"variant_uid": "w4", "status": "built", "error": None, "size_bytes": 1}
+        store.record_decisions(con, "r", [decide(built, 2, [], [], policy, serving=[rows["w4"]])],
+                               policy.model_dump(mode="json"))
+        (judged,) = store.rows(con, "SELECT * FROM decision_serving")
+    assert judged == {"run_id": "r", "variant_uid": "w4", "serving_goodput_ratio": 1.5,
+                      "serving_config": "kernel=MarlinLinearKernel"}
     assert set(rows) == {"w4", "w8"}  # variants only, each against the base
     w4 = rows["w4"]
     assert (w4["scenario"], w4["point"], w4["load"], w4["points"], w4["points_ok"]) == (

@@ -110,7 +110,8 @@ def _scorecard(card: list[dict]) -> str:
     if not card:
         return "<h2>Scorecard</h2><p class='note'>No evaluate-model runs in this warehouse: no decisions yet.</p>"
     cols = ["model_id", "variant", "build", "size_ratio", "quality_recovery", "quality_lower_bound", "flip_rate",
-            "speedup", "speedup_basis", "usd_per_million_tokens", "cost_basis", "decision", "reason"]
+            "speedup", "speedup_basis", "serving_goodput_ratio", "serving_config", "usd_per_million_tokens",
+            "cost_basis", "decision", "reason"]
     rows = [(r["decision"], [_build(r) if c == "build" else r.get(c) for c in cols]) for r in card]
     return "<h2>Scorecard</h2><p>Latest run of each model; decision by the policy, its reason beside it.</p>" + _table(cols, rows)
 
