@@ -1,6 +1,7 @@
-"""Serving inside evaluate-model on the device: dispatch runs a serving scenario's sweep with real `vllm serve`
-starts for a base and a variant (the tiny model and a copy of it), the flow's store path writes the loads, the
-view variant_serving picks each one's tuned point, and the decision's serving check carries it. ~2-3 min."""
+"""Serving inside evaluate-model on the device: dispatch runs a serving scenario with a sweep of two points as
+real `vllm serve` starts for a base and a variant (the tiny model and a copy of it: four eager starts, ~2-3 min),
+the flow's store path writes the loads, variant_serving picks each one's tuned point, and the decision's serving
+check carries it. tests/test_sweep_cost.py checks the view's picks on chosen timings; this checks the real path."""
 
 from __future__ import annotations
 
