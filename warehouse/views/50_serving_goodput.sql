@@ -21,3 +21,12 @@ LEFT JOIN (
       AND (s.slo_e2el_ms IS NULL OR r.e2el_ms <= s.slo_e2el_ms)
     GROUP BY r.run_id, r.variant_uid, r.engine, r.scenario, r.load
 ) g USING (run_id, variant_uid, engine, scenario, load);
+
+-- Each serving run's goodput at the SLO: its best load's good requests per second, that load, and its output
+-- tokens per second.
+CREATE OR REPLACE VIEW serving_best_load AS
+SELECT run_id, variant_uid, engine, scenario,
+       max(goodput_requests_per_s) AS goodput_requests_per_s,
+       arg_max(load, goodput_requests_per_s) AS load,
+       arg_max(output_tokens_per_s, goodput_requests_per_s) AS output_tokens_per_s
+FROM serving_goodput GROUP BY run_id, variant_uid, engine, scenario;

@@ -11,13 +11,7 @@ SELECT s.run_id, s.variant_uid, s.engine,
        s.config->'$.sweep.settings' AS settings, s.status, s.reason,
        g.goodput_requests_per_s, g.load, g.output_tokens_per_s
 FROM speed_results s
-LEFT JOIN (
-    SELECT run_id, variant_uid, engine, scenario,
-           max(goodput_requests_per_s) AS goodput_requests_per_s,
-           arg_max(load, goodput_requests_per_s) AS load,
-           arg_max(output_tokens_per_s, goodput_requests_per_s) AS output_tokens_per_s
-    FROM serving_goodput GROUP BY run_id, variant_uid, engine, scenario
-) g USING (run_id, variant_uid, engine, scenario)
+LEFT JOIN serving_best_load g USING (run_id, variant_uid, engine, scenario)
 WHERE s.config->>'$.kind' = 'serving';
 
 CREATE OR REPLACE VIEW variant_serving AS
