@@ -163,6 +163,15 @@ def _build_error(err: BaseException) -> str:
     return str(err).strip().splitlines()[0][:300] if isinstance(err, QuantizeError) and str(err).strip() else one_line(err)
 
 
+def _reusable(folder: Path, spec: VariantSpec, uid: str,
+              existing: Callable[[str], dict | None] | None) -> VariantArtifact | None:
+    """A finished build of this uid: the one in `folder` (its marker), else the warehouse row `existing` finds."""
+    if (found := _from_marker(folder, spec)) is not None:
+        return found
+    row = existing(uid) if existing is not None else None
+    return _from_row(row, spec) if row is not None else None
+
+
 def _from_marker(folder: Path, spec: VariantSpec) -> VariantArtifact | None:
     marker = folder / MARKER
     if not marker.is_file():
@@ -244,10 +253,7 @@ def build_variant(
     out_root = Path(out_root)
     final = out_root / uid
 
-    reused = _from_marker(final, spec)
-    if reused is None and existing is not None and (row := existing(uid)) is not None:
-        reused = _from_row(row, spec)
-    if reused is not None:
+    if (reused := _reusable(final, spec, uid, existing)) is not None:
         return reused
 
     built = VariantArtifact(
@@ -327,10 +333,7 @@ def build_load_time(
     recipe, recipe_hash = recipe_for(spec)
     uid = variant_uid(model, recipe_hash, versions, libs=LOAD_TIME_LIBS)
     final = Path(out_root) / uid
-    reused = _from_marker(final, spec)
-    if reused is None and existing is not None and (row := existing(uid)) is not None:
-        reused = _from_row(row, spec)
-    if reused is not None:
+    if (reused := _reusable(final, spec, uid, existing)) is not None:
         return reused
     built = VariantArtifact(
         uid=uid, model_uid=model.uid, name=spec.name, method=spec.method, scheme=spec.scheme, bits=spec.bits,
