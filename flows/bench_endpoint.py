@@ -21,9 +21,7 @@ from prefect.runtime import flow_run
 
 from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, ScenarioSpec, load_catalog
 from quantgate.tasks.endpoint import ENGINE, Target, bench_endpoint
-from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import SpeedResult, VariantArtifact
-from quantgate.tasks.serving import Slo
 from quantgate.warehouse import store
 
 FLOW_NAME = "bench-endpoint"
@@ -42,12 +40,9 @@ def _bench(target: Target, name: str, scenario: ScenarioSpec, timeout_s: float, 
            variant_uid: str) -> SpeedResult:
     result, loads, identity = bench_endpoint(target, name, scenario, timeout_s=timeout_s)
     with store.session(wh) as con:
-        if loads:
-            store.record_serving(con, run_id, variant_uid, ENGINE, name, loads,
-                                 Slo(**scenario.slo.model_dump()) if scenario.slo else None)
+        store.record_measured(con, run_id, variant_uid, [(result, loads)])
         if identity:
             store.record_endpoint(con, run_id, variant_uid, ENGINE, name, target.base_url, target.model, identity)
-        store.record_speed(con, run_id, variant_uid, [result])
     return result
 
 
@@ -107,16 +102,11 @@ def bench_endpoint_flow(
         else:
             con.execute("INSERT INTO run_variants (run_id, variant_uid, role, reused) VALUES (?, ?, 'variant', true)"
                         " ON CONFLICT DO NOTHING", [run_id, uid])
-    try:
+    with store.run_outcome(wh, run_id):
         for name in scenarios:
             result = _bench(target, name, cat.scenarios[name], timeout_s, wh, run_id, uid)
             log.info("%s on %s: %s%s", name, target.base_url, result.status, f" ({result.reason})" if result.reason else "")
-    except Exception as e:
-        with store.session(wh) as con:
-            store.finish_run(con, run_id, error=one_line(e))
-        raise
     with store.session(wh) as con:
-        store.finish_run(con, run_id)
         return store.rows(
             con,
             "SELECT s.scenario, s.status, s.reason, s.tokens_per_s, s.ttft_ms, s.tpot_ms, e.server, e.server_version,"

@@ -31,7 +31,6 @@ from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import CalibrationError, base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import MetricResult, ModelArtifact, VariantArtifact
-from quantgate.tasks.serving import Slo
 from quantgate.warehouse import store
 
 
@@ -252,12 +251,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # and each variant's rows are stored with its completion mark as soon as they are all in.
     def store_speed(uid: str, measured: list[dispatch.Measured]) -> None:
         with run.stage("benchmark", uid) as con:
-            store.record_speed(con, run_id, uid, [result for result, _ in measured])
-            for result, loads in measured:
-                if loads:
-                    slo = result.config.get("slo")
-                    store.record_serving(con, run_id, uid, result.engine, result.scenario, loads,
-                                         Slo(**slo) if slo else None)
+            store.record_measured(con, run_id, uid, measured)
 
     pending = [v for v in [base, *variants_ok] if not run.is_done("benchmark", v.uid)]
     dispatch.benchmark_all(pending, spec, cat, root, gpu_deployment, engines=engines, on_variant=store_speed)

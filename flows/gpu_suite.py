@@ -37,7 +37,7 @@ from quantgate.tasks.benchmark import engine_options, resolve_device, run_scenar
 from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
-from quantgate.tasks.serving import ServingLoad, Slo, bench_scenario, serve_variant
+from quantgate.tasks.serving import ServingLoad, bench_scenario, serve_variant
 from quantgate.warehouse import store
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
@@ -245,8 +245,7 @@ def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[st
 
         def record(result: SpeedResult, loads: list[ServingLoad]) -> None:
             with store.session(wh) as con:
-                store.record_serving(con, run_id, uid, "vllm", result.scenario, loads, _slo(scenario))
-                store.record_speed(con, run_id, uid, [result])
+                store.record_measured(con, run_id, uid, [(result, loads)])
 
         # With a sweep (the tuned serving config): one serving run per point, each stored as soon as it is done.
         runs = serve_variant(str(build.path), name, scenario, work_dir=work, timeout_s=remaining, on_point=record)
@@ -254,10 +253,6 @@ def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[st
     with store.session(wh) as con:
         store.record_speed(con, run_id, uid, results)
     return _summarise(results)
-
-
-def _slo(scenario: ScenarioSpec) -> Slo | None:
-    return Slo(**scenario.slo.model_dump()) if scenario.slo else None
 
 
 def _summarise(results: list[SpeedResult]) -> StepOutcome:
@@ -310,7 +305,7 @@ def gpu_suite(
         store.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, platform.node(), _versions())
         prices, prices_from = suite_prices(spec, spec_hash)
         store.record_prices(con, run_id, prices, prices_from)
-    try:
+    with store.run_outcome(wh, run_id):
         model, builds = prepare(spec, shape, config, root, {spec.base_build, *(s.build for _, s in steps)})
         with store.session(wh) as con:
             store.record_model(con, run_id, model)
@@ -355,12 +350,7 @@ def gpu_suite(
                                         outcome.status, outcome.reason, started, seconds)
 
         run_steps(steps, clock, execute, skip, record)
-    except Exception as e:
-        with store.session(wh) as con:
-            store.finish_run(con, run_id, error=one_line(e))
-        raise
     with store.session(wh) as con:
-        store.finish_run(con, run_id)
         return store.rows(con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [run_id])
 
 

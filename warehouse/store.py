@@ -524,6 +524,35 @@ def record_serving(con, run_id: str, variant_uid: str, engine: str, scenario: st
             con.unregister("_requests")
 
 
+def record_measured(con, run_id: str, variant_uid: str,
+                    measured: Sequence[tuple[SpeedResult, Sequence[ServingLoad]]]) -> None:
+    """Speed rows and, for serving runs, their loads, judged against the SLO in the row's config, in one transaction."""
+    from quantgate.tasks.serving import Slo
+
+    with transaction(con):
+        record_speed(con, run_id, variant_uid, [result for result, _ in measured])
+        for result, loads in measured:
+            if result.config.get("kind") == "serving":
+                slo = result.config.get("slo")
+                record_serving(con, run_id, variant_uid, result.engine, result.scenario, loads,
+                               Slo(**slo) if slo else None)
+
+
+@contextmanager
+def run_outcome(path: str | Path, run_id: str) -> Iterator[None]:
+    """Marks the run completed when the block ends, or failed with the one-line error when it raises."""
+    from quantgate.tasks.errors import one_line
+
+    try:
+        yield
+    except Exception as e:
+        with session(path) as con:
+            finish_run(con, run_id, error=one_line(e))
+        raise
+    with session(path) as con:
+        finish_run(con, run_id)
+
+
 def record_suite_step(con, run_id: str, index: int, part: str, engine: str, build: str, scenarios: Sequence[str],
                       status: str, reason: str | None, started_s: float | None, seconds: float | None) -> None:
     with transaction(con):

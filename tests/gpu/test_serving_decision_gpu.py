@@ -17,7 +17,6 @@ from quantgate.catalog.schema import DEFAULT_CATALOG, Policy, ScenarioSpec, load
 from quantgate.flows import dispatch
 from quantgate.tasks.decide import decide
 from quantgate.tasks.records import VariantArtifact
-from quantgate.tasks.serving import Slo
 from quantgate.warehouse import store
 
 pytestmark = [
@@ -51,9 +50,7 @@ def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_pa
 
     def keep(uid: str, measured: list[dispatch.Measured]) -> None:
         with store.session(wh) as con:
-            store.record_speed(con, "r", uid, [r for r, _ in measured])
-            for r, loads in measured:
-                store.record_serving(con, "r", uid, r.engine, r.scenario, loads, Slo(**r.config["slo"]))
+            store.record_measured(con, "r", uid, measured)
 
     @flow
     def run() -> dict:
