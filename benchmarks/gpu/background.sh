@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# GPU work longer than one device call (10 min): run it in a session of its own on the device machine, which
+# outlives the call that started it (the machine stays while calls follow each other), and collect it with
+# later calls. From the repository root on the device, after the devkit install:
+#
+#     bash benchmarks/gpu/background.sh start NAME [--after OTHER] 'COMMAND'
+#     bash benchmarks/gpu/background.sh wait SECONDS NAME...
+#
+# start: waits for job OTHER to end (if given), copies the repository as it is in this call to
+#   $QG_JOBS/NAME/repo (later calls replace the working tree; a running job keeps its own copy), and runs
+#   COMMAND there under setsid with OUT=$QG_JOBS/NAME/out; its console goes to $QG_JOBS/NAME/console.txt and
+#   its exit code to $QG_JOBS/NAME/rc.
+# wait: returns when every named job has ended or SECONDS have passed, and copies each job's out/ and console
+#   to $OUT/NAME/ (what a cut-off job wrote so far comes back too).
+set -uo pipefail
+JOBS="${QG_JOBS:-/root/qg-jobs}"
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$JOBS" "$OUT"
+
+ended() { [ -f "$JOBS/$1/rc" ]; }
+
+case "${1:-}" in
+start)
+    name="$2"; shift 2
+    if [ "${1:-}" = "--after" ]; then
+        other="$2"; shift 2
+        [ -d "$JOBS/$other" ] || { echo "background: no job $other"; exit 2; }
+        until ended "$other"; do sleep 2; done
+        echo "background: $other ended (exit $(cat "$JOBS/$other/rc")) at $(date -u +%T)"
+    fi
+    cmd="$1"
+    job="$JOBS/$name"
+    if [ -d "$job" ] && ! ended "$name"; then echo "background: $name is still running"; exit 2; fi
+    rm -rf "$job"
+    mkdir -p "$job/out"
+    tar -cf - --exclude=./.git --exclude=./gpu-out --exclude=./.devkit --exclude=./.gpu-carry/gguf1 --exclude=./.gpu-carry/gguf2 --exclude=./.gpu-carry/bnb --exclude=./.venv . | tar -xf - -C "$job" --one-top-level=repo
+    printf '%s\n' "$cmd" > "$job/command.txt"
+    (cd "$job/repo" && OUT="$job/out" setsid bash -c 'bash -c "$1"; echo $? > "$2"' _ "$cmd" "$job/rc" \
+        > "$job/console.txt" 2>&1 < /dev/null &)
+    echo "background: started $name at $(date -u +%T): $cmd"
+    ;;
+wait)
+    limit="$2"; shift 2
+    start=$(date +%s)
+    while :; do
+        all=1
+        for name in "$@"; do ended "$name" || all=0; done
+        [ "$all" -eq 1 ] && break
+        [ $(($(date +%s) - start)) -ge "$limit" ] && break
+        sleep 5
+    done
+    for name in "$@"; do
+        job="$JOBS/$name"
+        mkdir -p "$OUT/$name"
+        cp -r "$job/out/." "$OUT/$name/" 2>/dev/null
+        cp "$job/console.txt" "$job/command.txt" "$OUT/$name/" 2>/dev/null
+        if ended "$name"; then state="ended, exit $(cat "$job/rc")"; else state="running"; fi
+        echo "== $name: $state at $(date -u +%T)"
+        tail -n 15 "$job/console.txt" 2>/dev/null
+    done
+    ;;
+*)
+    echo "usage: background.sh start NAME [--after OTHER] 'COMMAND' | wait SECONDS NAME..."; exit 2 ;;
+esac
