@@ -124,3 +124,27 @@ def test_second_writer_waits_then_gives_a_clear_error(tmp_path):
         holder.kill()
         holder.wait()
     store.connect(path, wait_s=5.0).close()  # free again once the other writer is gone
+
+
+@pytest.mark.parametrize("raised, error", [(ValueError("bad\nsecond line"), "ValueError: bad"),
+                                           (KeyboardInterrupt(), "interrupted (KeyboardInterrupt)")])
+def test_run_outcome_records_a_failure_or_an_interrupt_and_reraises(tmp_path, raised, error):
+    wh = tmp_path / "w.duckdb"
+    with store.session(wh) as con:
+        store.start_run(con, "r", "gpu-suite", "m", "c.yaml", "h", "host", {})
+    with pytest.raises(type(raised)), store.run_outcome(wh, "r"):
+        raise raised
+    with store.session(wh, read_only=True) as con:
+        (run,) = store.rows(con, "SELECT status, error, finished_at FROM runs")
+    assert run["status"] == "failed" and run["error"] == error and run["finished_at"] is not None
+
+
+def test_run_outcome_marks_a_clean_end_completed(tmp_path):
+    wh = tmp_path / "w.duckdb"
+    with store.session(wh) as con:
+        store.start_run(con, "r", "gpu-suite", "m", "c.yaml", "h", "host", {})
+    with store.run_outcome(wh, "r"):
+        pass
+    with store.session(wh, read_only=True) as con:
+        (run,) = store.rows(con, "SELECT status, error FROM runs")
+    assert run == {"status": "completed", "error": None}

@@ -540,14 +540,16 @@ def record_measured(con, run_id: str, variant_uid: str,
 
 @contextmanager
 def run_outcome(path: str | Path, run_id: str) -> Iterator[None]:
-    """Marks the run completed when the block ends, or failed with the one-line error when it raises."""
+    """Marks the run completed when the block ends, or failed with the one-line error when it raises; an
+    interrupt (SIGINT from a time limit, Ctrl-C) too, so that the run is not left 'running'."""
     from quantgate.tasks.errors import one_line
 
     try:
         yield
-    except Exception as e:
+    except BaseException as e:
+        error = one_line(e) if isinstance(e, Exception) else f"interrupted ({type(e).__name__})"
         with session(path) as con:
-            finish_run(con, run_id, error=one_line(e))
+            finish_run(con, run_id, error=error)
         raise
     with session(path) as con:
         finish_run(con, run_id)
