@@ -30,8 +30,10 @@ LOG="$OUT/log.txt"
 } | tee -a "$LOG"
 
 WH="$RESULTS/gpu.duckdb"
-# SIGINT first (the flow stops its servers in `finally`), SIGKILL 20 s later as a last resort.
-timeout -s INT -k 20 "$((DEADLINE_S + GRACE_S + 45))" \
+# SIGINT first (the flow stops its servers in `finally`), SIGKILL 20 s later as a last resort. The flow's clock
+# starts once Prefect's temporary server is up (~40 s on a fresh machine), so the margin past deadline + grace
+# covers that start and a step ending at its own time limit (seen cut off with 45 s).
+timeout -s INT -k 20 "$((DEADLINE_S + GRACE_S + 120))" \
     python3 -m quantgate.flows.gpu_suite --warehouse "$WH" --workdir "$WORK" \
     --shape "${QG_SHAPE:-qwen2.5-7b-instruct}" ${QG_SUITE:+--suite "$QG_SUITE"} ${QG_PARTS:+--parts "$QG_PARTS"} \
     --deadline-s "$DEADLINE_S" --grace-s "$GRACE_S" 2>&1 | tee -a "$LOG"
