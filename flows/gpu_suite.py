@@ -1,4 +1,4 @@
-"""gpu-suite: the speed half of quantgate on one GPU, with dummy weights of a real model shape.
+"""gpu-suite: the speed half of quantgate on a GPU (or several side by side), with dummy weights of a real model shape.
 
 Builds dummy checkpoints of the shape (BF16 without weight files, for vLLM's dummy loader and
 Transformers' random init on the device; W4A16 with random packed weights written), records them as
@@ -6,22 +6,31 @@ a model and variants with weights 'dummy', then runs catalog/gpu.yaml's steps in
 is one isolated unit (an engine process, a `vllm bench throughput` run or a `vllm serve` server): a
 failure is recorded as a failed row and the next step runs. After `deadline_s` no step starts; the rest
 are recorded as skipped ("deadline"). A step that starts is given at most what is left of
-deadline_s + grace_s.
+deadline_s + grace_s. With --gpus 0,1 each GPU takes the next step nobody has started, in a process that
+sees only that GPU, and tensor-parallel steps run after them on all of them.
 
-    python -m quantgate.flows.gpu_suite --warehouse gpu.duckdb --deadline-s 330
+    python -m quantgate.flows.gpu_suite --warehouse gpu.duckdb --deadline-s 330 [--gpus 0,1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextvars
+import fcntl
 import hashlib
 import json
 import math
 import multiprocessing
+import os
 import platform
+import signal
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +89,23 @@ class StepOutcome:
 def run_steps(
     steps: Sequence[tuple[int, SuiteStep]],
     clock: Clock,
-    execute: Callable[[int, SuiteStep, float], StepOutcome],
+    execute: Callable[[int, SuiteStep, float, str | None], StepOutcome],
     skip: Callable[[int, SuiteStep, str], None],
     record: Callable[[int, SuiteStep, StepOutcome, float | None, float | None], None],
+    lanes: Sequence[str | None] = (None,),
+    wide: Callable[[SuiteStep], bool] = lambda step: False,
+    interrupt: Callable[[], None] = lambda: None,
 ) -> list[StepOutcome]:
-    """Run steps in order: each gets execute(index, step, timeout_s) unless the deadline has passed,
-    when it gets skip(index, step, reason) instead. An exception from a step is its failure."""
-    outcomes = []
-    for index, step in steps:
+    """Run steps in order: each gets execute(index, step, timeout_s, lane) unless the deadline has passed,
+    when it gets skip(index, step, reason) instead. An exception from a step is its failure.
+
+    With several lanes (GPUs), each lane takes the next step nobody has started, so steps run side by side,
+    one per lane; steps that need every lane (`wide`, e.g. tensor parallel) run after the others, alone, with
+    lane None. An interrupt (SIGINT) lets no lane start another step and calls `interrupt` to end the running
+    ones, so that they are recorded before it goes on."""
+    outcomes: dict[int, StepOutcome] = {}
+
+    def one(pos: int, index: int, step: SuiteStep, lane: str | None) -> None:
         if clock.expired():
             reason = f"deadline: not started, {clock.elapsed():.0f} s in and deadline_s is {clock.deadline_s:g}"
             skip(index, step, reason)
@@ -95,13 +113,114 @@ def run_steps(
         else:
             started = clock.elapsed()
             try:
-                outcome = execute(index, step, clock.step_timeout(step.timeout_s))
+                outcome = execute(index, step, clock.step_timeout(step.timeout_s), lane)
             except Exception as e:  # a step's own failure; the suite goes on
                 outcome = StepOutcome("failed", one_line(e))
             seconds = clock.elapsed() - started
         record(index, step, outcome, started, seconds)
-        outcomes.append(outcome)
-    return outcomes
+        outcomes[pos] = outcome
+
+    todo = [(pos, index, step) for pos, (index, step) in enumerate(steps)]
+    if len(lanes) == 1:
+        for pos, index, step in todo:
+            one(pos, index, step, lanes[0])
+        return [outcomes[pos] for pos in range(len(todo))]
+
+    queue = deque(item for item in todo if not wide(item[2]))
+    taking = threading.Lock()
+
+    def lane_loop(lane: str | None) -> None:
+        while True:
+            with taking:
+                if not queue:
+                    return
+                pos, index, step = queue.popleft()
+            one(pos, index, step, lane)
+
+    # Each lane thread runs in a copy of this context, so that Prefect sees its task runs inside this flow run.
+    pool = ThreadPoolExecutor(len(lanes), thread_name_prefix="gpu-lane")
+    try:
+        for future in [pool.submit(contextvars.copy_context().run, lane_loop, lane) for lane in lanes]:
+            future.result()
+    except BaseException:
+        with taking:
+            queue.clear()
+        interrupt()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    for pos, index, step in todo:
+        if wide(step):
+            one(pos, index, step, None)
+    return [outcomes[pos] for pos in range(len(todo))]
+
+
+def on_gpus(gpus: str, timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in a fresh process that sees only `gpus` (CUDA_VISIBLE_DEVICES, e.g. "1"): how steps on
+    several GPUs run side by side. Everything the step starts (engines, servers) inherits that view, and
+    NVML readings follow it (tasks/telemetry.py). A spawned process takes the environment as it is when it
+    starts, so the variable is set for that moment only, under a lock."""
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    # Not a daemon: the engines it runs start processes of their own.
+    proc = ctx.Process(target=_answer, args=(sender, fn, args), name=f"quantgate-gpu{gpus}")
+    with _SPAWNING:
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        try:
+            proc.start()
+        finally:
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
+        _RUNNING.add(proc)
+    sender.close()
+    try:
+        # The step keeps its own time; the margin is for its cleanup (stopping a server, an engine's teardown).
+        if not receiver.poll(timeout_s + 120):
+            raise GpuSuiteError(f"GPU {gpus}: the step gave no answer within {timeout_s + 120:.0f} s")
+        try:
+            status, value = receiver.recv()
+        except EOFError:
+            proc.join()
+            raise GpuSuiteError(f"GPU {gpus}: the step's process ended without an answer (exit code {proc.exitcode})")
+        proc.join(60)  # time for what it started to end
+        if status != "ok":
+            raise GpuSuiteError(f"GPU {gpus}: {value}")
+        return value
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGINT)  # type: ignore[arg-type]  # its `finally` blocks stop what it started
+            proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        receiver.close()
+        with _SPAWNING:
+            _RUNNING.discard(proc)
+
+
+def interrupt_gpu_steps() -> None:
+    """SIGINT to every step running in a process of its own (on_gpus): each stops its servers and engines
+    and answers, so that the lanes record it and end."""
+    with _SPAWNING:
+        for proc in _RUNNING:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGINT)  # type: ignore[arg-type]
+
+
+_SPAWNING = threading.Lock()
+_RUNNING: set[multiprocessing.process.BaseProcess] = set()
+
+
+def _answer(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        sender.send(("ok", fn(*args)))
+    except BaseException as e:  # whatever stops the step, as its one-line reason
+        sender.send(("error", one_line(e)))
+    finally:
+        sender.close()
 
 
 # --- builds ------------------------------------------------------------------------------------
@@ -180,12 +299,17 @@ def ensure_weights(build: Build, config: dict[str, Any]) -> None:
     done = {**build.stamp, "weights": True}
     if build.quant is None or _marker(build.path) == done:
         return
-    # In a process of its own: random values are drawn fastest on the GPU, and this flow's process must
-    # not keep a CUDA context (and the allocator's cache) through every later step.
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        pool.apply(write_dummy_checkpoint, (build.path, config),
-                   {"quant": build.quant, "group_size": build.group_size, "write_weights": True})
-    (build.path / MARKER).write_text(json.dumps(done, sort_keys=True))
+    # Steps on two GPUs may need the same build at once: the first writes it, the other waits for it.
+    with open(build.path.with_name(build.path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _marker(build.path) == done:
+            return
+        # In a process of its own: random values are drawn fastest on the GPU, and this flow's process must
+        # not keep a CUDA context (and the allocator's cache) through every later step.
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            pool.apply(write_dummy_checkpoint, (build.path, config),
+                       {"quant": build.quant, "group_size": build.group_size, "write_weights": True})
+        (build.path / MARKER).write_text(json.dumps(done, sort_keys=True))
 
 
 def _marker(path: Path) -> dict[str, Any] | None:
@@ -228,8 +352,16 @@ def _step_engines(step: SuiteStep) -> tuple[str, str]:
 
 @task(name="gpu-step", cache_policy=NO_CACHE, task_run_name="{label}")
 def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[str, ScenarioSpec]],
-             config: dict[str, Any], work: Path, timeout_s: float, wh: str, run_id: str) -> StepOutcome:
-    """One step: its build's weights if still missing, then the engine, bench or server; results stored."""
+             config: dict[str, Any], work: Path, timeout_s: float, wh: str, run_id: str,
+             gpus: str | None = None) -> StepOutcome:
+    """One step, here or (with `gpus`) in a process that sees only those GPUs."""
+    args = (step, build, scenarios, config, work, timeout_s, wh, run_id)
+    return run_step(*args) if gpus is None else on_gpus(gpus, timeout_s, run_step, *args)
+
+
+def run_step(step: SuiteStep, build: Build, scenarios: list[tuple[str, ScenarioSpec]], config: dict[str, Any],
+             work: Path, timeout_s: float, wh: str, run_id: str) -> StepOutcome:
+    """Its build's weights if still missing, then the engine, bench or server; results stored."""
     deadline = time.monotonic() + timeout_s
     ensure_weights(build, config)
     remaining = max(1.0, deadline - time.monotonic())
@@ -242,17 +374,18 @@ def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[st
         results = [bench_scenario(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)]
     else:
         ((name, scenario),) = scenarios
-
-        def record(result: SpeedResult, loads: list[ServingLoad]) -> None:
-            with store.session(wh) as con:
-                store.record_measured(con, run_id, uid, [(result, loads)])
-
         # With a sweep (the tuned serving config): one serving run per point, each stored as soon as it is done.
-        runs = serve_variant(str(build.path), name, scenario, work_dir=work, timeout_s=remaining, on_point=record)
+        runs = serve_variant(str(build.path), name, scenario, work_dir=work, timeout_s=remaining,
+                             on_point=partial(_store_measured, wh, run_id, uid))
         return _summarise([result for result, _ in runs])
     with store.session(wh) as con:
         store.record_speed(con, run_id, uid, results)
     return _summarise(results)
+
+
+def _store_measured(wh: str, run_id: str, uid: str, result: SpeedResult, loads: list[ServingLoad]) -> None:
+    with store.session(wh) as con:
+        store.record_measured(con, run_id, uid, [(result, loads)])
 
 
 def _summarise(results: list[SpeedResult]) -> StepOutcome:
@@ -288,14 +421,17 @@ def gpu_suite(
     parts: list[str] | None = None,
     deadline_s: float = 330.0,
     grace_s: float = 60.0,
+    gpus: list[str] | None = None,
 ) -> list[dict]:
-    """Run the GPU suite's steps (those of `parts`, default all) for one shape into the warehouse."""
+    """Run the GPU suite's steps (those of `parts`, default all) for one shape into the warehouse. With
+    several `gpus` (CUDA ids), steps run side by side, one per GPU, and tensor-parallel ones after them."""
     log = get_run_logger()
     suite_path = Path(suite) if suite else DEFAULT_SUITE
     spec = load_gpu_suite(suite_path)
     check_steps(spec)
     config = shape_config(spec, shape)
     steps = select_steps(spec, parts)
+    lanes: list[str | None] = list(gpus) if gpus and len(gpus) > 1 else [gpus[0] if gpus else None]
     clock = Clock(deadline_s, grace_s)
     run_id = str(flow_run.id)
     wh = warehouse or str(store.default_path())
@@ -328,14 +464,16 @@ def gpu_suite(
             with store.session(wh) as con:
                 store.record_speed(con, run_id, builds[step.build].variant.uid, rows_for(step, "skipped", reason))
 
-        def execute(index: int, step: SuiteStep, timeout_s: float) -> StepOutcome:
+        def execute(index: int, step: SuiteStep, timeout_s: float, lane: str | None) -> StepOutcome:
             scenarios = scenarios_of(step)
             if (why := _unavailable(step, scenarios)) is not None:
                 skip(index, step, why)
                 return StepOutcome("skipped", why)
+            # A wide step (lane None) in a run over several GPUs gets all of them.
+            on = lane if lane is not None or len(lanes) == 1 else ",".join(str(g) for g in lanes)
             try:
-                return _execute(label(index, step), step, builds[step.build], scenarios, config,
-                                root / "logs" / f"step{index:02d}", timeout_s, wh, run_id)
+                return _execute(label(index, step) + (f" on GPU {on}" if on else ""), step, builds[step.build],
+                                scenarios, config, root / "logs" / f"step{index:02d}", timeout_s, wh, run_id, on)
             except Exception as e:
                 reason = one_line(e)
                 with store.session(wh) as con:
@@ -349,7 +487,10 @@ def gpu_suite(
                 store.record_suite_step(con, run_id, index, step.part, step.engine, step.build, step.scenarios,
                                         outcome.status, outcome.reason, started, seconds)
 
-        run_steps(steps, clock, execute, skip, record)
+        def wide(step: SuiteStep) -> bool:
+            return any(s.tensor_parallel_size > 1 for _, s in scenarios_of(step))
+
+        run_steps(steps, clock, execute, skip, record, lanes, wide, interrupt_gpu_steps)
     with store.session(wh) as con:
         return store.rows(con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [run_id])
 
@@ -375,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--parts", help="comma-separated parts to run (default all)")
     parser.add_argument("--deadline-s", type=float, default=330.0, help="no step starts after this many seconds")
     parser.add_argument("--grace-s", type=float, default=60.0, help="a started step may run this far past the deadline")
+    parser.add_argument("--gpus", help="comma-separated CUDA ids to run steps side by side on, one step per GPU (e.g. 0,1)")
     args = parser.parse_args(argv)
     steps = gpu_suite(
         warehouse=args.warehouse,
@@ -384,6 +526,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parts=args.parts.split(",") if args.parts else None,
         deadline_s=args.deadline_s,
         grace_s=args.grace_s,
+        gpus=args.gpus.split(",") if args.gpus else None,
     )
     for s in steps:
         took = "" if s["seconds"] is None else f"{s['seconds']:6.1f} s"

@@ -5,6 +5,8 @@ a machine without a GPU (real Prefect, real DuckDB, a tiny shape)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from tests.shapes import TINY_QWEN
 from quantgate.catalog.schema import ScenarioSpec, SuiteStep, load_gpu_suite
-from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps, select_steps
+from quantgate.flows.gpu_suite import Clock, GpuSuiteError, StepOutcome, gpu_suite, on_gpus, run_steps, select_steps
 from quantgate.tasks.benchmark import (
     BenchmarkError,
     engine_options,
@@ -50,7 +52,7 @@ def test_steps_after_the_deadline_are_skipped_and_started_ones_capped():
     clock = Clock(deadline_s=50, grace_s=20, now=now)
     ran, skipped, recorded = [], [], []
 
-    def execute(index, step, timeout_s):
+    def execute(index, step, timeout_s, lane):
         ran.append((index, timeout_s))
         now.t += {0: 30, 1: 25}.get(index, 0)  # the second step ends past the deadline
         if index == 1:
@@ -72,6 +74,57 @@ def test_steps_after_the_deadline_are_skipped_and_started_ones_capped():
     assert [i for i, _ in skipped] == [2, 3]
     assert skipped[0][1] == "deadline: not started, 55 s in and deadline_s is 50"
     assert recorded == [(0, "ok", 0, 30), (1, "failed", 30, 25), (2, "skipped", None, None), (3, "skipped", None, None)]
+
+
+def test_two_lanes_run_steps_side_by_side_and_wide_steps_alone_after_them():
+    both_running = threading.Barrier(2, timeout=10)  # times out unless two steps run at once
+    ran, lock = [], threading.Lock()
+
+    def execute(index, step, timeout_s, lane):
+        if index in (0, 2):  # the first two narrow steps
+            both_running.wait()
+        with lock:
+            ran.append((index, lane))
+        return StepOutcome("ok", None)
+
+    steps = [(i, _step("tp2" if i == 1 else "offline")) for i in range(5)]
+    outcomes = run_steps(steps, Clock(deadline_s=60, grace_s=0), execute, lambda *a: None, lambda *a: None,
+                         lanes=("0", "1"), wide=lambda step: step.part == "tp2")
+
+    assert [o.status for o in outcomes] == ["ok"] * 5
+    narrow = {index: lane for index, lane in ran[:-1]}
+    assert sorted(narrow) == [0, 2, 3, 4] and set(narrow.values()) == {"0", "1"}
+    assert ran[-1] == (1, None)  # the tensor-parallel step waited for both lanes, then ran on all GPUs
+
+
+def test_an_interrupt_on_two_lanes_ends_the_running_steps_and_starts_no_more():
+    stopped, started, recorded = threading.Event(), threading.Event(), []
+
+    def execute(index, step, timeout_s, lane):
+        if index == 0:
+            started.wait(10)
+            raise KeyboardInterrupt  # as SIGINT from a time limit would
+        started.set()
+        stopped.wait(10)  # a running step, ended by `interrupt`
+        return StepOutcome("failed", "GPU 1: KeyboardInterrupt")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_steps([(i, _step()) for i in range(4)], Clock(deadline_s=60, grace_s=0), execute, lambda *a: None,
+                  lambda i, step, outcome, *_: recorded.append((i, outcome.reason)), lanes=("0", "1"),
+                  interrupt=stopped.set)
+
+    assert stopped.is_set() and recorded == [(1, "GPU 1: KeyboardInterrupt")]  # steps 2 and 3 never started
+
+
+def test_a_step_on_one_gpu_runs_in_a_process_that_sees_only_that_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+
+    assert on_gpus("1", 60, os.getenv, "CUDA_VISIBLE_DEVICES") == "1"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # this process keeps its own view
+    with pytest.raises(GpuSuiteError, match=r"^GPU 1: ValueError: invalid literal"):
+        on_gpus("1", 60, int, "x")
+    with pytest.raises(GpuSuiteError, match=r"GPU 1: the step's process ended without an answer \(exit code 3\)"):
+        on_gpus("1", 60, os._exit, 3)
 
 
 def test_out_of_memory_starts_are_retried_with_less():
@@ -217,6 +270,28 @@ def test_flow_on_a_cpu_machine_runs_cpu_steps_and_records_gpu_ones_as_skipped(tm
     assert "Decompressing model" in (work / "logs" / "step01" / "transformers-0.log").read_text()
     assert list((work / "w4a16-g32").glob("*.safetensors")) and not list((work / "bf16").glob("*.safetensors"))
     assert not list((work / "w4a16-g128").glob("*.safetensors"))
+
+
+@pytest.mark.slow
+@no_gpu
+def test_flow_on_two_gpu_lanes_runs_each_step_in_its_own_process_into_one_run(tmp_path, prefect_api):
+    """The lanes' plumbing on a CPU machine: the two CPU steps run side by side in processes that see one
+    "GPU" each, both write the same warehouse, and the run is one run; GPU timing is for the device."""
+    wh = tmp_path / "w.duckdb"
+
+    steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="tiny", suite=str(_tiny_suite(tmp_path)),
+                      parts=["cpu", "tp2"], gpus=["0", "1"])
+
+    assert [(s["part"], s["build"], s["status"]) for s in steps] == [
+        ("cpu", "bf16", "ok"), ("cpu", "w4a16-g32", "ok"), ("tp2", "bf16", "skipped")]
+    with store.session(wh, read_only=True) as con:
+        (run,) = store.rows(con, "SELECT * FROM runs")
+        assert run["status"] == "completed"
+        rows = store.rows(con, "SELECT run_id, scenario, status FROM speed_results ORDER BY scenario, variant_uid")
+    assert {r["run_id"] for r in rows} == {run["run_id"]}
+    assert [(r["scenario"], r["status"]) for r in rows] == [
+        ("cpu-latency", "ok"), ("cpu-offline", "ok"), ("cpu-offline", "ok"), ("offline-tp2", "skipped")]
+    assert list((tmp_path / "work" / "gpu" / "tiny" / "w4a16-g32").glob("*.safetensors"))
 
 
 def test_flow_past_its_deadline_starts_nothing(tmp_path, prefect_api):

@@ -7,7 +7,8 @@
 # Writes to $OUT (default ./gpu-out): summary.md, log.txt and h200_results.tar.gz (the warehouse,
 # every table and view as Parquet, the vLLM server/bench logs, summary.md, log.txt).
 # Knobs (environment): QG_DEADLINE_S (330: no step starts later), QG_GRACE_S (75: how far a started
-# step may run past it), QG_PARTS (comma-separated parts of catalog/gpu.yaml; default all),
+# step may run past it), QG_PARTS (comma-separated parts of catalog/gpu.yaml; default all), QG_GPUS (e.g. 0,1:
+# steps side by side, one per GPU, tensor-parallel ones after them; default one GPU at a time),
 # QG_SHAPE (qwen2.5-7b-instruct), QG_SUITE (catalog/gpu.yaml), QG_WORKDIR (/tmp/quantgate-gpu).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -35,7 +36,7 @@ WH="$RESULTS/gpu.duckdb"
 # covers that start and a step ending at its own time limit (seen cut off with 45 s).
 timeout -s INT -k 20 "$((DEADLINE_S + GRACE_S + 120))" \
     python3 -m quantgate.flows.gpu_suite --warehouse "$WH" --workdir "$WORK" \
-    --shape "${QG_SHAPE:-qwen2.5-7b-instruct}" ${QG_SUITE:+--suite "$QG_SUITE"} ${QG_PARTS:+--parts "$QG_PARTS"} \
+    --shape "${QG_SHAPE:-qwen2.5-7b-instruct}" ${QG_SUITE:+--suite "$QG_SUITE"} ${QG_PARTS:+--parts "$QG_PARTS"} ${QG_GPUS:+--gpus "$QG_GPUS"} \
     --deadline-s "$DEADLINE_S" --grace-s "$GRACE_S" 2>&1 | tee -a "$LOG"
 RC=${PIPESTATUS[0]}
 echo "== flow exit code $RC at $(date -u +%FT%TZ)" | tee -a "$LOG"
