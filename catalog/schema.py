@@ -165,6 +165,9 @@ class SloSpec(Strict):
     ttft_ms: float | None = Field(default=None, gt=0)
     tpot_ms: float | None = Field(default=None, gt=0)
     e2el_ms: float | None = Field(default=None, gt=0)
+    # A load meets the SLO when at least this share of its requests is good (0.9: the p90 within every limit);
+    # the cost at the SLO is priced at the fastest such load.
+    attainment: float = Field(default=0.9, gt=0, le=1)
 
 
 class SpeculativeSpec(Strict):

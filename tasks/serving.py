@@ -296,6 +296,7 @@ class Slo:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
+    attainment: float = 0.9  # share of a load's requests that must be good for the load to meet it
 
 
 def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:

@@ -194,6 +194,20 @@ def test_cost_per_million_tokens_at_peak_and_at_the_slo(warehouse):
     assert d["usd_per_million_output_tokens_at_slo"] == pytest.approx(3.6 / (256 * 3600) * 1e6)
 
 
+def test_the_slo_attainment_says_which_loads_meet_it(warehouse):
+    # The defaults' loads again, under a scenario whose SLO asks only a quarter of the requests to be good:
+    # c=32 (8 of 32 good) now meets it, and the cost at the SLO is priced there.
+    loads = [ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0),
+             ServingLoad("c=32", 32, None, _requests(8, 0.05) + _requests(24, 0.5, start=8), 1.0)]
+    with store.session(warehouse) as con:
+        _serving_row(con, "r1", "w4", "lenient", loads, Slo(ttft_ms=100, attainment=0.25),
+                     {"slo": ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[8], slo={"ttft_ms": 100, "attainment": 0.25}).slo.model_dump()})
+        cost = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM variant_cost WHERE variant_uid = 'w4'")}
+    assert cost["lenient"]["slo_load"] == "c=32" and cost["sw@default"]["slo_load"] == "c=8"
+    with pytest.raises(ValueError, match="attainment"):
+        ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[8], slo={"ttft_ms": 100, "attainment": 1.5})
+
+
 def test_report_shows_cost_and_the_tuned_config(warehouse):
     with store.session(warehouse, read_only=True) as con:
         html = unescape(report.render(con))

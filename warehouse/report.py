@@ -151,7 +151,7 @@ def _cost(cost: list[dict]) -> str:
     rows = [("", [r.get(c) for c in cols]) for r in cost]
     return (head + "<p>US$ per million output tokens = price per device-hour × devices ÷ (output tokens/s × 3600) × 1e6,"
             " with the prices stored with each run. At peak: the scenario's best throughput. At the SLO (serving): the"
-            " fastest load where at least 90% of requests met every SLO limit.</p>" + _table(cols, rows))
+            " fastest load where at least the SLO's attainment share (default 90%) of requests met every limit.</p>" + _table(cols, rows))
 
 
 def tuned_verdict(r: dict) -> str:

@@ -124,7 +124,7 @@ def render(con: Any, run_id: str | None = None) -> str:
          ("US$ / M tokens", "usd_per_million_output_tokens", _f(4)), ("SLO load", "slo_load", _text),
          ("US$ / M tokens at SLO", "usd_per_million_output_tokens_at_slo", _f(4))],
         note="Price per device-hour from the run's price table (run_prices) × devices ÷ output tokens per hour."
-             " At SLO: the fastest serving load with at least 90% of its requests within the SLO.",
+             " At SLO: the fastest serving load with at least the SLO's attainment share (default 90%) of its requests within it.",
     )
     parts += _section("Levers", _levers(speed), [
         ("variant", "variant", str), ("lever", "lever", str), ("engine", "engine", str),

@@ -23,17 +23,19 @@ SELECT run_id, variant_uid, engine, scenario, device, price_key, usd_per_hour, n
 FROM stg_speed_price;
 
 -- Serving at the SLO: the load with the highest output tokens/s among those that meet the SLO, where a load
--- meets it when at least 90% of its requests are good (succeeded within every limit: p90 within the SLO).
--- Without an SLO every successful request is good, so this is the fastest load with ≤ 10% failures.
+-- meets it when at least the SLO's attainment share of its requests are good (succeeded within every limit;
+-- default 0.9: the p90 within the SLO), read from the speed row's scenario config.
+-- Without an SLO every successful request is good, so this is the fastest load with few enough failures.
 CREATE OR REPLACE VIEW serving_cost_at_slo AS
 WITH meeting AS (
-    SELECT run_id, variant_uid, engine, scenario,
-           arg_max(load, output_tokens_per_s) AS slo_load,
-           max(output_tokens_per_s) AS slo_output_tokens_per_s,
-           arg_max(goodput_requests_per_s, output_tokens_per_s) AS slo_goodput_requests_per_s
-    FROM serving_goodput
-    WHERE good_fraction >= 0.9
-    GROUP BY run_id, variant_uid, engine, scenario
+    SELECT g.run_id, g.variant_uid, g.engine, g.scenario,
+           arg_max(g.load, g.output_tokens_per_s) AS slo_load,
+           max(g.output_tokens_per_s) AS slo_output_tokens_per_s,
+           arg_max(g.goodput_requests_per_s, g.output_tokens_per_s) AS slo_goodput_requests_per_s
+    FROM serving_goodput g
+    JOIN speed_results s USING (run_id, variant_uid, engine, scenario)
+    WHERE g.good_fraction >= coalesce(TRY_CAST(s.config->>'$.slo.attainment' AS DOUBLE), 0.9)
+    GROUP BY g.run_id, g.variant_uid, g.engine, g.scenario
 )
 SELECT m.*, p.device, p.price_key, p.usd_per_hour, p.num_devices,
        p.usd_per_hour * p.num_devices / nullif(m.slo_output_tokens_per_s * 3600, 0) * 1e6
