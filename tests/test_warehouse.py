@@ -148,3 +148,31 @@ def test_run_outcome_marks_a_clean_end_completed(tmp_path):
     with store.session(wh, read_only=True) as con:
         (run,) = store.rows(con, "SELECT status, error FROM runs")
     assert run == {"status": "completed", "error": None}
+
+
+def test_writing_sessions_of_one_process_take_turns(tmp_path):
+    """Threads writing at once (the GPU suite's lanes record their steps): each session recreates the views,
+    which two at once would conflict on; with turns every write lands."""
+    import threading
+
+    wh = tmp_path / "w.duckdb"
+    with store.session(wh) as con:
+        store.start_run(con, "r", "gpu-suite", "m", "c.yaml", "h", "host", {})
+    errors = []
+
+    def write(i: int) -> None:
+        try:
+            for j in range(5):
+                with store.session(wh) as con:
+                    store.record_prices(con, f"r{i}-{j}", {"cpu": float(i)}, "h")
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with store.session(wh, read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM run_prices").fetchone()[0] == 20

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -160,12 +161,18 @@ def apply_views(con: duckdb.DuckDBPyConnection) -> None:
 @contextmanager
 def session(path: str | Path | None = None, read_only: bool = False,
             sandbox: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A short-lived connection: DuckDB admits one writing process, so writers never hold the file between steps."""
-    con = connect(path, read_only=read_only, sandbox=sandbox)
-    try:
-        yield con
-    finally:
-        con.close()
+    """A short-lived connection: DuckDB admits one writing process, so writers never hold the file between steps.
+    Within a process, writing sessions take turns (threads of one flow, e.g. the GPU suite's lanes): each one
+    recreates the views, which two at once would conflict on."""
+    with nullcontext() if read_only else _WRITING:
+        con = connect(path, read_only=read_only, sandbox=sandbox)
+        try:
+            yield con
+        finally:
+            con.close()
+
+
+_WRITING = threading.RLock()
 
 
 _open_transactions: set[int] = set()
