@@ -86,6 +86,8 @@ def gpu_suite_cmd(
     shape: Annotated[str, typer.Option(help="a shape of the suite file")] = "qwen2.5-7b-instruct",
     suite: Annotated[Optional[Path], typer.Option(help="GPU suite YAML (default catalog/gpu.yaml)")] = None,
     deadline_s: Annotated[float, typer.Option(help="no step starts after this many seconds")] = 330.0,
+    grace_s: Annotated[float, typer.Option(help="a started step may run this far past the deadline")] = 60.0,
+    gpus: Annotated[Optional[str], typer.Option(help="comma-separated CUDA ids to run steps side by side on (e.g. 0,1)")] = None,
     warehouse: WarehouseOpt = None,
     workdir: WorkdirOpt = None,
 ) -> None:
@@ -94,7 +96,8 @@ def gpu_suite_cmd(
 
     steps = gpu_suite(warehouse=str(warehouse) if warehouse else None, workdir=str(workdir) if workdir else None,
                       shape=shape, suite=str(suite) if suite else None,
-                      parts=parts.split(",") if parts else None, deadline_s=deadline_s)
+                      parts=parts.split(",") if parts else None, deadline_s=deadline_s, grace_s=grace_s,
+                      gpus=gpus.split(",") if gpus else None)
     _print_rows(steps, ["step_index", "part", "engine", "build", "status", "seconds", "reason"])
 
 
