@@ -87,7 +87,7 @@ def gpu_suite_cmd(
     suite: Annotated[Optional[Path], typer.Option(help="GPU suite YAML (default catalog/gpu.yaml)")] = None,
     deadline_s: Annotated[float, typer.Option(help="no step starts after this many seconds")] = 330.0,
     grace_s: Annotated[float, typer.Option(help="a started step may run this far past the deadline")] = 60.0,
-    gpus: Annotated[Optional[str], typer.Option(help="comma-separated CUDA ids to run steps side by side on (e.g. 0,1)")] = None,
+    gpus: Annotated[Optional[str], typer.Option(help="comma-separated GPU ids as nvidia-smi numbers them, to run steps side by side on (e.g. 0,1)")] = None,
     warehouse: WarehouseOpt = None,
     workdir: WorkdirOpt = None,
 ) -> None:

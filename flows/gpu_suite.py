@@ -424,7 +424,8 @@ def gpu_suite(
     gpus: list[str] | None = None,
 ) -> list[dict]:
     """Run the GPU suite's steps (those of `parts`, default all) for one shape into the warehouse. With
-    several `gpus` (CUDA ids), steps run side by side, one per GPU, and tensor-parallel ones after them."""
+    several `gpus` (ids as nvidia-smi numbers them), steps run side by side, one per GPU, and tensor-parallel
+    ones after them."""
     log = get_run_logger()
     suite_path = Path(suite) if suite else DEFAULT_SUITE
     spec = load_gpu_suite(suite_path)
@@ -516,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--parts", help="comma-separated parts to run (default all)")
     parser.add_argument("--deadline-s", type=float, default=330.0, help="no step starts after this many seconds")
     parser.add_argument("--grace-s", type=float, default=60.0, help="a started step may run this far past the deadline")
-    parser.add_argument("--gpus", help="comma-separated CUDA ids to run steps side by side on, one step per GPU (e.g. 0,1)")
+    parser.add_argument("--gpus", help="comma-separated GPU ids as nvidia-smi numbers them, to run steps side by side on, one step per GPU (e.g. 0,1)")
     args = parser.parse_args(argv)
     steps = gpu_suite(
         warehouse=args.warehouse,
