@@ -158,5 +158,5 @@ def test_export_and_summary(con, tmp_path):
     assert "| bf16 | 250 | 1,000 | 4.00 | — |" in text  # offline: Transformers, vLLM, ratio, note
     assert "| bf16 | offline | 1,000 | 1,100 | -9.1 |" in text  # the cross-check gap
     assert "46.0%" in text  # roofline
-    assert "| bf16 | c=2 | 4 | 25.0 | 39.7 |" in text  # TTFT p50 and p99 of the c=2 load
+    assert "| bf16 | serving | c=2 | 4 | 25.0 | 39.7 |" in text  # TTFT p50 and p99 of the c=2 load
     assert "| bf16 | CUDA graphs off | vllm | latency | latency-eager | tpot_ms | 7.00 | 14.00 | 2.00× |" in text
