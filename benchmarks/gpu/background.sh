@@ -10,8 +10,8 @@
 #   $QG_JOBS/NAME/repo (later calls replace the working tree; a running job keeps its own copy), and runs
 #   COMMAND there under setsid with OUT=$QG_JOBS/NAME/out; its console goes to $QG_JOBS/NAME/console.txt and
 #   its exit code to $QG_JOBS/NAME/rc.
-# wait: returns when every named job has ended or SECONDS have passed, and copies each job's out/ and console
-#   to $OUT/NAME/ (what a cut-off job wrote so far comes back too).
+# wait: returns when every named job has ended or SECONDS have passed, and packs each job's out/, console and
+#   exit code into $OUT/NAME.tar.gz (what a cut-off job wrote so far comes back too).
 set -uo pipefail
 JOBS="${QG_JOBS:-/root/qg-jobs}"
 OUT="${OUT:-$PWD/gpu-out}"
@@ -51,9 +51,8 @@ wait)
     done
     for name in "$@"; do
         job="$JOBS/$name"
-        mkdir -p "$OUT/$name"
-        cp -r "$job/out/." "$OUT/$name/" 2>/dev/null
-        cp "$job/console.txt" "$job/command.txt" "$OUT/$name/" 2>/dev/null
+        # One file per job: the device returns only a few files per call.
+        tar czf "$OUT/$name.tar.gz" -C "$job" --exclude=./repo . 2>/dev/null
         if ended "$name"; then state="ended, exit $(cat "$job/rc")"; else state="running"; fi
         echo "== $name: $state at $(date -u +%T)"
         tail -n 15 "$job/console.txt" 2>/dev/null
