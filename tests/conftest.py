@@ -22,6 +22,23 @@ if (gpus := os.environ.get("QUANTGATE_TEST_GPUS")) and (worker := os.environ.get
     os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(worker.removeprefix("gw")) % len(ids)]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_prefect_server_stops_with_the_session():
+    """Flows run here start Prefect's temporary API server, which Prefect stops at interpreter exit and logs
+    it, by then to a stream pytest has closed ("--- Logging error ---" after the summary). Stop it first."""
+    yield
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+
+    # As prefect_test_harness does: send what is queued for the API while it is up, then stop it quietly.
+    APILogWorker.drain_all()
+    EventsWorker.drain_all()
+    with temporary_settings({PREFECT_LOGGING_TO_API_ENABLED: False}):
+        SubprocessASGIServer().stop()
+
+
 @pytest.fixture
 def tiny_model() -> Path:
     if not TINY_MODEL.exists():
