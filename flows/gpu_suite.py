@@ -432,7 +432,7 @@ def gpu_suite(
     check_steps(spec)
     config = shape_config(spec, shape)
     steps = select_steps(spec, parts)
-    lanes: list[str | None] = list(gpus) if gpus and len(gpus) > 1 else [gpus[0] if gpus else None]
+    lanes: list[str | None] = list(gpus) if gpus else [None]
     clock = Clock(deadline_s, grace_s)
     run_id = str(flow_run.id)
     wh = warehouse or str(store.default_path())
@@ -471,7 +471,7 @@ def gpu_suite(
                 skip(index, step, why)
                 return StepOutcome("skipped", why)
             # A wide step (lane None) in a run over several GPUs gets all of them.
-            on = lane if lane is not None or len(lanes) == 1 else ",".join(str(g) for g in lanes)
+            on = lane if lane is not None else (",".join(gpus) if gpus else None)
             try:
                 return _execute(label(index, step) + (f" on GPU {on}" if on else ""), step, builds[step.build],
                                 scenarios, config, root / "logs" / f"step{index:02d}", timeout_s, wh, run_id, on)
