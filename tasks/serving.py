@@ -858,6 +858,23 @@ def kernel_from_log(path: str | Path) -> str | None:
     return match.group(1) if match else None
 
 
+def has_weight_only_int_layers(model_path: str | Path) -> bool | None:
+    """Whether the checkpoint has weight-only integer layers (W4A16, W8A16: GPTQ, AWQ, compressed-tensors
+    WNA16), the only layers vLLM runs on a mixed-precision kernel; None when its config.json cannot be read."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if method in ("gptq", "awq", "gptq_marlin", "awq_marlin", "marlin"):
+        return True
+    if method == "compressed-tensors":
+        return any((g.get("weights") or {}).get("type") == "int" and not g.get("input_activations")
+                   for g in (quant.get("config_groups") or {}).values())
+    return False
+
+
 def sweep_settings(point: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, str]]:
     """A sweep point as (engine option overrides, extra `vllm serve` flags, environment). A forced kernel
     disables every other mixed-precision kernel through VLLM_DISABLED_KERNELS."""
@@ -900,9 +917,9 @@ def serve_sweep(
     min_point_s: float = 60.0,
 ) -> list[tuple[SpeedResult, list[ServingLoad]]]:
     """Every point of the scenario's sweep as its own serving run (vLLM's defaults first), each named
-    `<scenario>@<point>` with config.sweep = {scenario, point, settings}. Points the time does not reach
-    get a skipped row. `on_point` gets
-    each point as soon as it is done, so that a sweep cut short keeps the points it finished."""
+    `<scenario>@<point>` with config.sweep = {scenario, point, settings, min_gain_pct}. Points the time does
+    not reach, and forced kernels on a checkpoint that has no layer for them, get a skipped row. `on_point`
+    gets each point as soon as it is done, so that a sweep cut short keeps the points it finished."""
     from quantgate.catalog.schema import sweep_label
 
     if scenario.sweep is None:
@@ -910,22 +927,33 @@ def serve_sweep(
     serve = serve or serve_scenario
     points = scenario.sweep.points()
     plain = scenario.model_copy(update={"sweep": None})
+    # A forced kernel changes nothing on a checkpoint without mixed-precision layers: it would be the
+    # defaults served again, one more vLLM start.
+    no_kernels = has_weight_only_int_layers(model_path) is False
+    runs = [not ("kernel" in point and no_kernels) for point in points]
     deadline = clock() + timeout_s
     out: list[tuple[SpeedResult, list[ServingLoad]]] = []
     for i, point in enumerate(points):
         name = sweep_row_name(scenario_name, point)
-        tag = {"scenario": scenario_name, "point": sweep_label(point), "settings": point}
+        tag = {"scenario": scenario_name, "point": sweep_label(point), "settings": point,
+               "min_gain_pct": scenario.sweep.min_gain_pct}
         remaining = deadline - clock()
+        skip = None
         if remaining <= 1:
+            skip = "sweep: the time was up before this point"
+        elif not runs[i]:
+            skip = (f"sweep: {sweep_label(point)} applies to weight-only quantized layers (W4A16-style);"
+                    " this checkpoint has none")
+        if skip:
             config = {**plain.model_dump(mode="json"), "sweep": tag}
-            out.append((SpeedResult("vllm", name, "skipped", "sweep: the time was up before this point", config), []))
+            out.append((SpeedResult("vllm", name, "skipped", skip, config), []))
             if on_point:
                 on_point(*out[-1])
             continue
         overrides, args, env = sweep_settings(point)
         # A point may use what is left beyond a minimum kept for each later one (the first start compiles and
         # is the slowest), and never less than an even share.
-        left = len(points) - i
+        left = sum(runs[i:])
         budget = max(remaining / left, remaining - (left - 1) * min_point_s)
         result, loads = serve(model_path, name, plain, work_dir=Path(work_dir) / f"point{i:02d}",
                               timeout_s=budget, options={**(options or {}), **overrides},

@@ -20,6 +20,7 @@ from quantgate.tasks.serving import (
     RequestRecord,
     ServingLoad,
     Slo,
+    has_weight_only_int_layers,
     measured_from_dict,
     measured_to_dict,
     serve_sweep,
@@ -103,7 +104,53 @@ def test_serve_sweep_runs_every_point_in_order_and_shares_the_time(tmp_path):
     # All 120 s were gone when the third point was due: it is recorded as skipped, not run.
     assert runs[2][0].status == "skipped" and len(calls) == 2
     assert [r.config["sweep"]["point"] for r, _ in runs] == ["default", "max_num_seqs=16", "kernel=MarlinLinearKernel"]
-    assert runs[1][0].config["sweep"] == {"scenario": "sw", "point": "max_num_seqs=16", "settings": {"max_num_seqs": 16}}
+    assert runs[1][0].config["sweep"] == {"scenario": "sw", "point": "max_num_seqs=16", "settings": {"max_num_seqs": 16},
+                                          "min_gain_pct": 3.0}
+
+
+def _checkpoint(folder, quantization_config=None):
+    folder.mkdir()
+    config = {"model_type": "llama"} | ({"quantization_config": quantization_config} if quantization_config else {})
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def _group(weights_type, activations=None):
+    return {"config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations,
+                                          "weights": {"num_bits": 4 if weights_type == "int" else 8, "type": weights_type}}},
+            "quant_method": "compressed-tensors"}
+
+
+def test_a_forced_kernel_is_skipped_on_a_checkpoint_without_weight_only_layers(tmp_path):
+    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4],
+                            sweep={"max_num_seqs": [16], "kernel": ["MarlinLinearKernel"]})
+    w4a16 = _checkpoint(tmp_path / "w4a16", _group("int"))
+    fp8 = _checkpoint(tmp_path / "fp8", _group("float", {"num_bits": 8, "type": "float", "dynamic": True}))
+    base = _checkpoint(tmp_path / "base")
+    assert has_weight_only_int_layers(w4a16) is True
+    assert has_weight_only_int_layers(_checkpoint(tmp_path / "gptq", {"quant_method": "gptq", "bits": 4})) is True
+    assert has_weight_only_int_layers(fp8) is False and has_weight_only_int_layers(base) is False
+    assert has_weight_only_int_layers(tmp_path / "absent") is None
+    ran = {}
+
+    def serve(model_path, name, sc, *, work_dir, timeout_s, options, extra_args, env):
+        ran.setdefault(model_path, []).append((name, timeout_s))
+        return SpeedResult("vllm", name, "ok", None, {}), []
+
+    for path in (w4a16, fp8, base, str(tmp_path / "absent")):
+        runs = serve_sweep(path, "sw", scenario, work_dir=tmp_path / "work", timeout_s=300, serve=serve,
+                           clock=lambda: 0.0, min_point_s=60)
+        assert [r.scenario for r, _ in runs] == ["sw@default", "sw@max_num_seqs=16", "sw@kernel=MarlinLinearKernel"]
+        kernel = runs[2][0]
+        if path in (fp8, base):
+            # The defaults served again under another name: not run, one vLLM start saved, and the time it would
+            # have kept goes to the points that run.
+            assert kernel.status == "skipped" and "has none" in kernel.reason
+            assert kernel.config["sweep"]["point"] == "kernel=MarlinLinearKernel"
+            assert [n for n, _ in ran[path]] == ["sw@default", "sw@max_num_seqs=16"] and ran[path][0][1] == 240.0
+        else:
+            # Weight-only layers, or a config that cannot be read: the point runs.
+            assert kernel.status == "ok" and len(ran[path]) == 3 and ran[path][0][1] == 180.0
 
 
 # --- the views ---------------------------------------------------------------------------------
@@ -149,6 +196,13 @@ def warehouse(tmp_path):
                      sweep("default", {}))
         _serving_row(con, "r1", "w4b", "sw@enforce_eager=True", [ServingLoad("c=8", 8, None, _requests(6, 0.05), 1.0)],
                      slo, sweep("enforce_eager=True", {"enforce_eager": True}))
+        # Variant w4c, written with the 3% margin: fp8 KV gains 2.5%, within run-to-run noise, so the defaults stay.
+        store.record_variant(con, "r1", _variant("w4c"), "variant")
+        margin = lambda p, s: {**sweep(p, s), "kind": "serving", "sweep": {**sweep(p, s)["sweep"], "min_gain_pct": 3.0}}  # noqa: E731
+        _serving_row(con, "r1", "w4c", "sw@default", [ServingLoad("c=8", 8, None, _requests(40, 0.05), 1.0)], slo,
+                     margin("default", {}))
+        _serving_row(con, "r1", "w4c", "sw@kv_cache_dtype=fp8", [ServingLoad("c=8", 8, None, _requests(41, 0.05), 1.0)],
+                     slo, margin("kv_cache_dtype=fp8", {"kv_cache_dtype": "fp8"}))
         # An offline row on two GPUs (tensor parallel): twice the device-hours per token.
         store.record_speed(con, "r1", "w4", [SpeedResult("vllm", "offline-tp2", "ok", None,
                                                          {"engine_options": {"tensor_parallel_size": 2}},
@@ -175,6 +229,28 @@ def test_tuned_config_beats_or_loses_to_the_defaults(warehouse):
     w4b = tuned["w4b"]
     assert w4b["best_point"] == "default" and w4b["gain_pct"] == 0
     assert w4b["best_other_point"] == "enforce_eager=True" and w4b["best_other_gain_pct"] == pytest.approx(-25.0)
+    # Rows written before the margin existed were judged without one (w4: +100% either way).
+    assert w4["min_gain_pct"] == 0
+
+
+def test_a_gain_within_the_margin_keeps_the_defaults(warehouse):
+    with store.session(warehouse, read_only=True) as con:
+        (w4c,) = store.rows(con, "SELECT * FROM tuned_serving_config WHERE variant = 'w4c'")
+        (judged,) = store.rows(con, "SELECT * FROM variant_serving WHERE variant_uid = 'w4c'")
+        html = unescape(report.render(con))
+    assert w4c["best_point"] == "default" and w4c["gain_pct"] == 0 and w4c["min_gain_pct"] == 3.0
+    assert w4c["best_other_point"] == "kv_cache_dtype=fp8" and w4c["best_other_gain_pct"] == pytest.approx(2.5)
+    # The decision's serving evidence is the same pick.
+    assert judged["point"] == "default" and judged["goodput_requests_per_s"] == pytest.approx(40.0)
+    assert "vLLM's defaults kept; kv_cache_dtype=fp8 gained only 2.5%, under the 3% margin" in html
+    # With a 2% margin the same rows make fp8 KV the tuned config.
+    with store.session(warehouse) as con:
+        con.execute("UPDATE speed_results SET config = json_merge_patch(config, '{\"sweep\": {\"min_gain_pct\": 2}}')"
+                    " WHERE variant_uid = 'w4c'")
+        (w4c,) = store.rows(con, "SELECT * FROM tuned_serving_config WHERE variant = 'w4c'")
+        (judged,) = store.rows(con, "SELECT * FROM variant_serving WHERE variant_uid = 'w4c'")
+    assert w4c["best_point"] == "kv_cache_dtype=fp8" and w4c["gain_pct"] == pytest.approx(2.5)
+    assert judged["point"] == "kv_cache_dtype=fp8"
 
 
 def test_cost_per_million_tokens_at_peak_and_at_the_slo(warehouse):

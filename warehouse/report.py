@@ -155,7 +155,8 @@ def _cost(cost: list[dict]) -> str:
 
 
 def tuned_verdict(r: dict) -> str:
-    """One sentence: by how much the tuned config beat vLLM's defaults, or by how little the best other lost."""
+    """One sentence: by how much the tuned config beat vLLM's defaults, by how little the best other lost, or
+    that its gain was under the margin."""
     if r.get("default_goodput") is None:
         return "vLLM's defaults were not measured: no comparison"
     if r["best_point"] != "default":
@@ -164,6 +165,9 @@ def tuned_verdict(r: dict) -> str:
         return "only vLLM's defaults were measured"
     if r.get("best_other_gain_pct") is None:
         return f"vLLM's defaults won; the best other point ({r['best_other_point']}) had no goodput"
+    if r["best_other_gain_pct"] > 0:
+        return (f"vLLM's defaults kept; {r['best_other_point']} gained only {r['best_other_gain_pct']:.1f}%, under the "
+                f"{r['min_gain_pct']:g}% margin")
     return (f"vLLM's defaults won; the best other point ({r['best_other_point']}) lost by "
             f"{-r['best_other_gain_pct']:.0f}%")
 

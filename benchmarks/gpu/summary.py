@@ -111,9 +111,10 @@ def render(con: Any, run_id: str | None = None) -> str:
          ("best point", "best_point", str), ("kernel", "best_kernel", _text),
          ("best goodput req/s", "best_goodput", _f(2)), ("at load", "best_load", _text),
          ("default goodput req/s", "default_goodput", _f(2)), ("gain %", "gain_pct", _f(1)),
-         ("best other point", "best_other_point", _text), ("its gain %", "best_other_gain_pct", _f(1))],
+         ("best other point", "best_other_point", _text), ("its gain %", "best_other_gain_pct", _f(1)),
+         ("margin %", "min_gain_pct", _f(1))],
         note="gain % > 0: the tuned config beat vLLM's defaults; when the defaults win, the best other point's"
-             " (negative) gain says by how little it lost.",
+             " gain says by how little it lost, or that it gained less than the margin (run-to-run noise).",
     )
     parts += _section(
         "Cost per million output tokens",

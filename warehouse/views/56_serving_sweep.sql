@@ -1,25 +1,36 @@
 -- The sweep of vLLM serving settings per variant (a serving scenario with `sweep`): every point is a normal
--- serving run whose speed row carries config.sweep = {scenario, point, settings}. A point's goodput at the
--- SLO is its best load's goodput (good requests per second).
+-- serving run whose speed row carries config.sweep = {scenario, point, settings, min_gain_pct}. A point's
+-- goodput at the SLO is its best load's goodput (good requests per second). Rows written before
+-- min_gain_pct existed were judged without a margin: 0.
 CREATE OR REPLACE VIEW serving_sweep AS
 SELECT s.run_id, s.variant_uid, s.engine, s.scenario,
        s.config->>'$.sweep.scenario' AS sweep, s.config->>'$.sweep.point' AS point,
        s.config->'$.sweep.settings' AS settings, s.status, s.reason, s.details->>'$.kernel' AS kernel,
-       g.goodput_requests_per_s, g.load AS best_load, g.output_tokens_per_s
+       g.goodput_requests_per_s, g.load AS best_load, g.output_tokens_per_s,
+       coalesce(TRY_CAST(s.config->>'$.sweep.min_gain_pct' AS DOUBLE), 0) AS min_gain_pct
 FROM speed_results s
 LEFT JOIN serving_best_load g USING (run_id, variant_uid, engine, scenario)
 WHERE s.config->>'$.sweep.scenario' IS NOT NULL;
 
--- The tuned config per variant and sweep: the point with the highest goodput at the SLO (the default wins
--- ties), against vLLM's defaults. gain_pct > 0: the tuned config beat the defaults by that much. When the
--- defaults win, best_other_* says by how much the best other point lost.
+-- The tuned config per variant and sweep: the point with the highest goodput at the SLO among vLLM's
+-- defaults and the points that beat the defaults by at least min_gain_pct (the defaults win ties and
+-- smaller gains: those are run-to-run noise). gain_pct > 0: the tuned config beat the defaults by that much.
+-- best_other_* is the best point other than the defaults, chosen or not: by how much it won or lost.
 CREATE OR REPLACE VIEW tuned_serving_config AS
-WITH ranked AS (
+WITH points AS (
+    SELECT *, max(goodput_requests_per_s) FILTER (WHERE point = 'default')
+                  OVER (PARTITION BY run_id, variant_uid, sweep) AS default_goodput
+    FROM serving_sweep
+),
+ranked AS (
     SELECT *, row_number() OVER (PARTITION BY run_id, variant_uid, sweep
-                                 ORDER BY goodput_requests_per_s DESC NULLS LAST, (point = 'default') DESC, point) AS k,
+                                 ORDER BY coalesce(point = 'default' OR default_goodput IS NULL
+                                                   OR goodput_requests_per_s >= default_goodput * (1 + min_gain_pct / 100),
+                                                   false) DESC,
+                                          goodput_requests_per_s DESC NULLS LAST, (point = 'default') DESC, point) AS k,
               row_number() OVER (PARTITION BY run_id, variant_uid, sweep, point = 'default'
                                  ORDER BY goodput_requests_per_s DESC NULLS LAST, point) AS k_side
-    FROM serving_sweep
+    FROM points
 ),
 summary AS (
     SELECT run_id, variant_uid, sweep, count(*) AS points, count(*) FILTER (WHERE status = 'ok') AS points_ok
@@ -32,7 +43,7 @@ SELECT b.run_id, b.variant_uid, v.name AS variant, b.sweep, b.point AS best_poin
        o.point AS best_other_point, o.goodput_requests_per_s AS best_other_goodput,
        100 * (o.goodput_requests_per_s - d.goodput_requests_per_s) / nullif(d.goodput_requests_per_s, 0)
            AS best_other_gain_pct,
-       s.points, s.points_ok
+       b.min_gain_pct, s.points, s.points_ok
 FROM ranked b
 JOIN summary s USING (run_id, variant_uid, sweep)
 JOIN variants v ON v.variant_uid = b.variant_uid
