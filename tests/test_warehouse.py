@@ -55,6 +55,30 @@ def test_migrations_apply_once_and_views_compute(tmp_path):
         assert con.execute("SELECT count(*) FROM schema_migrations").fetchone()[0] == len(store._migrations())
 
 
+def test_views_are_recreated_only_when_their_sql_changes(tmp_path, monkeypatch):
+    import shutil
+
+    path = tmp_path / "w.duckdb"
+    views = tmp_path / "views"
+    shutil.copytree(store.VIEWS, views)
+    monkeypatch.setattr(store, "VIEWS", views)
+    held = lambda con: con.execute("SELECT checksum, applied_at FROM schema_views").fetchone()  # noqa: E731
+    with store.session(path) as con:
+        first = held(con)
+    with store.session(path) as con:  # same SQL: nothing recreated
+        assert held(con) == first
+    (views / "99_extra.sql").write_text("CREATE OR REPLACE VIEW extra_view AS SELECT 42 AS answer;")
+    with store.session(path) as con:  # changed SQL: recreated, the new view included
+        assert held(con)[0] != first[0]
+        assert con.execute("SELECT answer FROM extra_view").fetchone() == (42,)
+    # A view file that fails leaves the views and their checksum as they were, and says why.
+    (views / "99_extra.sql").write_text("CREATE OR REPLACE VIEW extra_view AS SELECT * FROM no_such_table;")
+    with pytest.raises(Exception, match="no_such_table"):
+        store.connect(path)
+    with store.session(path, read_only=True) as con:
+        assert con.execute("SELECT answer FROM extra_view").fetchone() == (42,)
+
+
 def test_rewriting_the_same_results_adds_no_rows(tmp_path):
     with store.session(tmp_path / "w.duckdb") as con:
         seed_run(con, "r1")

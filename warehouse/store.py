@@ -136,12 +136,14 @@ def migrate(con: duckdb.DuckDBPyConnection, path: Path | str = "warehouse") -> N
         raise WarehouseError(
             f"{path}: schema version {max(applied)} is newer than this quantgate knows ({max(v for v, _, _ in known)}); upgrade quantgate"
         )
+    migrated = False
     for version, name, sql in known:
         checksum = _checksum(sql)
         if version in applied:
             if applied[version][1] != checksum:
                 raise WarehouseError(f"{path}: migration {name} changed after it was applied; add a new migration instead")
             continue
+        migrated = True
         con.execute("BEGIN TRANSACTION")
         try:
             con.execute(sql)
@@ -150,20 +152,30 @@ def migrate(con: duckdb.DuckDBPyConnection, path: Path | str = "warehouse") -> N
         except Exception:
             con.execute("ROLLBACK")
             raise
-    apply_views(con)
+    apply_views(con, force=migrated)
 
 
-def apply_views(con: duckdb.DuckDBPyConnection) -> None:
-    for f in sorted(VIEWS.glob("*.sql")):
-        con.execute(f.read_text())
+def apply_views(con: duckdb.DuckDBPyConnection, force: bool = False) -> None:
+    """(Re)create the views when their SQL differs from what the warehouse holds (or `force`, after a
+    migration): recreating all of them costs a writable open ~60 ms, and two threads at it conflict."""
+    files = sorted(VIEWS.glob("*.sql"))
+    sql = [f.read_text() for f in files]
+    checksum = _checksum("\n".join(f"-- {f.name}\n{text}" for f, text in zip(files, sql)))
+    held = con.execute("SELECT checksum FROM schema_views").fetchone()
+    if held and held[0] == checksum and not force:
+        return
+    with transaction(con):
+        for text in sql:
+            con.execute(text)
+        con.execute("INSERT OR REPLACE INTO schema_views VALUES (1, ?, ?)", [checksum, _now()])
 
 
 @contextmanager
 def session(path: str | Path | None = None, read_only: bool = False,
             sandbox: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
     """A short-lived connection: DuckDB admits one writing process, so writers never hold the file between steps.
-    Within a process, writing sessions take turns (threads of one flow, e.g. the GPU suite's lanes): each one
-    recreates the views, which two at once would conflict on."""
+    Within a process, writing sessions take turns (threads of one flow, e.g. the GPU suite's lanes): one that
+    migrates or recreates the views would conflict with another at it."""
     with nullcontext() if read_only else _WRITING:
         con = connect(path, read_only=read_only, sandbox=sandbox)
         try:
