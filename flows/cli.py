@@ -318,7 +318,7 @@ def main() -> None:
     except Exception as e:  # every user-facing failure is one line; --debug shows the rest
         if _debug:
             traceback.print_exc()
-        msg = getattr(e, "format_message", lambda: str(e))()
+        msg = e.format_message() if hasattr(e, "format_message") else str(e)
         first = (msg.strip().splitlines() or [type(e).__name__])[0]
         known = isinstance(e, (CatalogError, store.WarehouseError, FailedRun)) or type(e).__name__.endswith("Error")
         err.print(f"error: {first}" if known else f"error: {type(e).__name__}: {first}", highlight=False)
