@@ -197,7 +197,7 @@ def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(
     path = tmp_path / "w.duckdb"
     with monkeypatch.context() as m:
         m.setattr(store, "MIGRATIONS", old)
-        m.setattr(store, "apply_views", lambda con: None)  # today's views need today's tables
+        m.setattr(store, "apply_views", lambda con, force=False: None)  # today's views need today's tables
         with store.session(path) as con:
             # Today's writer fills the column migration 0007 adds; it goes again once the rows are in, so the
             # file is as an older quantgate left it.
