@@ -183,7 +183,8 @@ def warehouse(tmp_path):
         store.record_variant(con, "r1", _variant("w4"), "variant")
         store.record_variant(con, "r1", _variant("w4b"), "variant")
         # The default point: good up to c=8 (16 req/s of goodput); c=32 breaks the TTFT limit.
-        sweep = lambda p, s: {"engine_options": {"tensor_parallel_size": 1}, "sweep": {"scenario": "sw", "point": p, "settings": s}}  # noqa: E731
+        sweep = lambda p, s: {"kind": "serving", "engine_options": {"tensor_parallel_size": 1},  # noqa: E731
+                              "sweep": {"scenario": "sw", "point": p, "settings": s}}
         _serving_row(con, "r1", "w4", "sw@default", [
             ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0),
             ServingLoad("c=32", 32, None, _requests(8, 0.05) + _requests(24, 0.5, start=8), 1.0)], slo, sweep("default", {}))
@@ -198,7 +199,7 @@ def warehouse(tmp_path):
                      slo, sweep("enforce_eager=True", {"enforce_eager": True}))
         # Variant w4c, written with the 3% margin: fp8 KV gains 2.5%, within run-to-run noise, so the defaults stay.
         store.record_variant(con, "r1", _variant("w4c"), "variant")
-        margin = lambda p, s: {**sweep(p, s), "kind": "serving", "sweep": {**sweep(p, s)["sweep"], "min_gain_pct": 3.0}}  # noqa: E731
+        margin = lambda p, s: {**sweep(p, s), "sweep": {**sweep(p, s)["sweep"], "min_gain_pct": 3.0}}  # noqa: E731
         _serving_row(con, "r1", "w4c", "sw@default", [ServingLoad("c=8", 8, None, _requests(40, 0.05), 1.0)], slo,
                      margin("default", {}))
         _serving_row(con, "r1", "w4c", "sw@kv_cache_dtype=fp8", [ServingLoad("c=8", 8, None, _requests(41, 0.05), 1.0)],
