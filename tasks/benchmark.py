@@ -319,7 +319,7 @@ def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: d
     """What the parent adds to a child's measurement: KV-cache bytes and the roofline, which need only
     the checkpoint's config and headers."""
     out = dict(measured)
-    config = _read_config(model_path)
+    config = text_config(model_path)
     if out.get("kv_cache_tokens") and config:
         dtype_bytes = 4 if used.dtype == "float32" else 2
         out["kv_cache_bytes"] = out["kv_cache_tokens"] * kv_bytes_per_token(config, dtype_bytes)
@@ -347,12 +347,18 @@ def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: d
     return out
 
 
-def _read_config(model_path: str) -> dict[str, Any] | None:
+def checkpoint_config(model_path: str | Path) -> dict[str, Any] | None:
+    """A checkpoint's config.json, or None when it cannot be read."""
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
+        return json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return config.get("text_config", config)
+
+
+def text_config(model_path: str | Path) -> dict[str, Any] | None:
+    """The language model's part of a checkpoint's config (a multimodal one's text_config)."""
+    config = checkpoint_config(model_path)
+    return None if config is None else config.get("text_config", config)
 
 
 def _in_fresh_process(

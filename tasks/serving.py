@@ -41,11 +41,13 @@ from prefect.cache_policies import NO_CACHE
 from quantgate.catalog.schema import ScenarioSpec, bench_mismatch
 from quantgate.tasks import engines
 from quantgate.tasks.benchmark import (
+    checkpoint_config,
     engine_options,
     fallback_options,
     looks_like_oom,
     make_prompts,
     root_cause,
+    text_config,
     wants_random_weights,
 )
 from quantgate.tasks.engines import EngineOptions
@@ -812,7 +814,7 @@ def serve_scenario(
     energies = [load.energy_j for load in loads]
     out_tokens = sum(r.output_tokens for r in ok)
     kv_tokens = kv_cache_tokens_from_log(log)
-    config = _read_model_config(model_path)
+    config = text_config(model_path)
     details: dict[str, Any] = {"best_load": best["load"], "log": str(log)}
     if extra_args or env:
         details["serve_args"] = list(extra_args)
@@ -861,9 +863,7 @@ def kernel_from_log(path: str | Path) -> str | None:
 def has_weight_only_int_layers(model_path: str | Path) -> bool | None:
     """Whether the checkpoint has weight-only integer layers (W4A16, W8A16: GPTQ, AWQ, compressed-tensors
     WNA16), the only layers vLLM runs on a mixed-precision kernel; None when its config.json cannot be read."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
+    if (config := checkpoint_config(model_path)) is None:
         return None
     quant = config.get("quantization_config") or {}
     method = quant.get("quant_method")
@@ -1118,14 +1118,6 @@ def _read(path: Path) -> str:
 def _with_cause(reason: str, log: Path) -> str:
     cause = root_cause(_read(log))
     return f"{reason} (cause: {cause})" if cause and cause not in reason else reason
-
-
-def _read_model_config(model_path: str) -> dict[str, Any] | None:
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("text_config", config)
 
 
 def _vllm_versions() -> dict[str, str]:
