@@ -24,6 +24,7 @@ from quantgate.flows import dispatch
 from quantgate.flows.inputs import model_inputs
 from quantgate.tasks import faults
 from quantgate.tasks.caching import build_cached, download_cached
+from quantgate.tasks.calibration import check_calibration_task
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_report_task
 from quantgate.tasks.download import DownloadError
@@ -181,6 +182,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         with store.session(wh, read_only=True) as con:
             return store.find_variant(con, uid)
 
+    if any(cat.variants[n].needs_calibration for n in spec.variants):
+        check_calibration_task(spec.calibration, model.path, cat.suites[spec.suite])
     built: list[VariantArtifact] = []
     for name in spec.variants:
         variant = None
@@ -235,7 +238,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     variants_ok = [v for v in usable if v is not base]
 
     # Token-level KL of each variant's next-token distribution from the base's, on the perplexity text.
-    kl_text = spec.calibration.text_file
+    kl_text = suite.kl_text
     kl_key = kl_eval_key(kl_text, dtype=dtype)
     for v in variants_ok:
         if run.is_done("kl", v.uid):
