@@ -173,6 +173,9 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
             model = None  # the folder is gone: fetch it again
     if model is None:
         model = download_cached(spec, root)
+        # Before anything of the model is stored (a resumed run passed this check when it downloaded).
+        if any(cat.variants[n].needs_calibration for n in spec.variants):
+            check_calibration_task(spec.calibration, model.path, cat.suites[spec.suite])
         with run.stage("download", "", model.uid) as con:
             store.record_model(con, run_id, model)
             store.record_variant(con, run_id, base_variant(model), role="base")
@@ -182,8 +185,6 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         with store.session(wh, read_only=True) as con:
             return store.find_variant(con, uid)
 
-    if any(cat.variants[n].needs_calibration for n in spec.variants):
-        check_calibration_task(spec.calibration, model.path, cat.suites[spec.suite])
     built: list[VariantArtifact] = []
     for name in spec.variants:
         variant = None
