@@ -188,10 +188,13 @@ class HoldoutSlice(Strict):
 
 class EvalHoldoutCalibration(CalibrationSize):
     """Question → answer conversations made from eval items outside what the suite evaluates, rendered with
-    the model's own chat template; the overlap check refuses a slice that reaches an evaluated item."""
+    the model's own chat template (or as plain text: `chat: false`); the overlap check refuses a slice that
+    reaches an evaluated item."""
 
     kind: Literal["eval_holdout"] = "eval_holdout"
     items: tuple[HoldoutSlice, ...] = Field(min_length=1)
+    # False: plain text (the question, then the answer), for a model without a chat template.
+    chat: bool = True
 
 
 def _calibration_kind(value: object) -> str | None:

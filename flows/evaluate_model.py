@@ -24,13 +24,13 @@ from quantgate.flows import dispatch
 from quantgate.flows.inputs import model_inputs
 from quantgate.tasks import faults
 from quantgate.tasks.caching import build_cached, download_cached
-from quantgate.tasks.calibration import check_calibration_task
+from quantgate.tasks.calibration import CalibrationError, check_calibration_task
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_report_task
 from quantgate.tasks.download import DownloadError
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
-from quantgate.tasks.quantize import CalibrationError, base_variant, lib_versions, variant_from_row
+from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import MetricResult, ModelArtifact, VariantArtifact
 from quantgate.warehouse import store
 

@@ -58,7 +58,8 @@ def label(calib: CalibrationSpec) -> str:
         return calib.name
     match calib:
         case TextCalibration():
-            return f"text {calib.path or 'stdlib'}" + (f" ({calib.glob})" if calib.path is None or Path(calib.path).is_dir() else "")
+            folder = calib.path is None or Path(calib.path).is_dir()
+            return f"text {calib.path or 'stdlib'}" + (f" ({calib.glob})" if folder else "")
         case ChatCalibration():
             return f"chat {calib.path}"
         case EvalHoldoutCalibration():
@@ -72,10 +73,12 @@ def load_calibration(calib: CalibrationSpec, tokenizer_dir: str | Path) -> Calib
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     name = label(calib)
-    if isinstance(calib, TextCalibration):
+    if isinstance(calib, TextCalibration) or (isinstance(calib, EvalHoldoutCalibration) and not calib.chat):
         # Plain text opens the way the tokenizer opens any text (Llama: BOS); a chat template has its own framing.
         prefix = list(tokenizer("", add_special_tokens=True)["input_ids"])
-        docs: Iterable[str] = (p + "\n\n" for p in _shuffled(_paragraphs(calib), calib.seed))
+        texts = (_paragraphs(calib) if isinstance(calib, TextCalibration)
+                 else ["\n".join(m["content"] for m in turns) for turns in _holdout(calib.items)])
+        docs: Iterable[str] = (t + "\n\n" for t in _shuffled(texts, calib.seed))
     else:
         if not getattr(tokenizer, "chat_template", None):
             raise CalibrationError(f"calibration set {name}: {tokenizer_dir} has no chat template to render"
@@ -83,8 +86,8 @@ def load_calibration(calib: CalibrationSpec, tokenizer_dir: str | Path) -> Calib
         prefix = []
         conversations = _chat_file(calib) if isinstance(calib, ChatCalibration) else _holdout(calib.items)
         docs = (tokenizer.apply_chat_template(m, tokenize=False) for m in _shuffled(conversations, calib.seed))
-    samples = _pack((tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"] for d in docs), prefix, calib.seq_len,
-                    calib.samples)
+    tokenized = (tokenizer(d, add_special_tokens=False, verbose=False)["input_ids"] for d in docs)
+    samples = _pack(tokenized, prefix, calib.seq_len, calib.samples)
     if len(samples) < calib.samples:
         raise CalibrationError(f"calibration set {name}: its documents make {len(samples)} samples of"
                                f" {calib.seq_len} tokens, {calib.samples} asked")
@@ -173,8 +176,8 @@ def _holdout(slices: tuple[HoldoutSlice, ...]) -> list[Messages]:
             docs = list(utils.hellaswag()["validation"])[s.start:s.stop]
             conversations += [_turns(d["query"], d["choices"][d["label"]]) for d in docs]
         else:
-            subjects = sorted(p.name.removesuffix("_test.csv") for p in (utils.data_root() / "mmlu" / "test").glob("*_test.csv"))
-            for subject in subjects:
+            files = (utils.data_root() / "mmlu" / "test").glob("*_test.csv")
+            for subject in sorted(f.name.removesuffix("_test.csv") for f in files):
                 for d in list(utils.mmlu(subject)["test"])[s.start:s.stop]:
                     question = d["question"].strip() + "".join(f"\n{k}. {c}" for k, c in zip("ABCD", d["choices"]))
                     conversations.append(_turns(question, f"{'ABCD'[d['answer']]}. {d['choices'][d['answer']]}"))
@@ -233,7 +236,8 @@ def _evaluated_docs(leaf: LocalTaskConfig, task_spec: LocalTask, suite: SuiteSpe
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     # As lm-eval calls a custom_dataset: the task's metadata (the suite's over the YAML's) and dataset_kwargs.
-    data = getattr(module, attr)(**(cfg.get("metadata") or {}) | task_spec.metadata, **(cfg.get("dataset_kwargs") or {}))
+    metadata = (cfg.get("metadata") or {}) | task_spec.metadata
+    data = getattr(module, attr)(**metadata, **(cfg.get("dataset_kwargs") or {}))
     split = cfg.get("test_split") or cfg.get("validation_split")
     docs = list(data[split])[:task_spec.limit]
     fewshot = suite.num_fewshot_of(task_spec)

@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from quantgate.catalog.schema import CalibrationSpec, VariantSpec
 from quantgate.tasks import faults
-from quantgate.tasks.calibration import CalibrationError, load_calibration
+from quantgate.tasks.calibration import load_calibration
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import ModelArtifact, VariantArtifact
 

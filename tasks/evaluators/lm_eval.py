@@ -157,7 +157,8 @@ def _check_chat_template(model_path: str, tasks: list[str], trust_remote_code: b
     except Exception as e:
         raise EvaluationError(f"could not load the tokenizer of {model_path}: {one_line(e)}") from None
     if not getattr(tokenizer, "chat_template", None):
-        raise EvaluationError(f"{tasks} ask for apply_chat_template, but the tokenizer of {model_path} has no chat template")
+        raise EvaluationError(f"{tasks} ask for apply_chat_template, but the tokenizer of {model_path}"
+                              " has no chat template")
 
 
 # --- task configs, resolved for the eval key -----------------------------------------------------------------
