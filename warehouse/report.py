@@ -21,7 +21,7 @@ _LATEST_SPEED = """
 SELECT * EXCLUDE (rn) FROM (
     SELECT r.model_id, v.name AS variant, s.*,
            row_number() OVER (PARTITION BY r.model_id, s.variant_uid, s.engine, s.scenario ORDER BY r.started_at DESC) AS rn
-    FROM speed_results s JOIN runs r USING (run_id) JOIN variants v USING (variant_uid)
+    FROM stg_speed_results s JOIN runs r USING (run_id) JOIN variants v USING (variant_uid)
     WHERE s.status = 'ok' {where}
 ) WHERE rn = 1 ORDER BY model_id, variant, engine, scenario
 """

@@ -314,13 +314,59 @@ def _attempt(con, attempt_id: str, run_id: str, host: str) -> None:
     )
 
 
-def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, attempt_id: str) -> None:
-    """Mark a stage of a run complete; call it inside the transaction that writes the stage's rows."""
+def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, attempt_id: str,
+               started_at: datetime | None = None, engine_starts: int = 0) -> None:
+    """Mark a stage of a run complete, with when it began and the engine starts it made; call it inside the
+    transaction that writes the stage's rows."""
     con.execute(
-        "INSERT INTO run_stages VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, stage, item) DO UPDATE SET"
-        " detail = excluded.detail, attempt_id = excluded.attempt_id, completed_at = excluded.completed_at",
-        [run_id, stage, item, detail, attempt_id, _now()],
+        "INSERT INTO run_stages (run_id, stage, item, detail, attempt_id, completed_at, started_at, engine_starts)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, stage, item) DO UPDATE SET"
+        " detail = excluded.detail, attempt_id = excluded.attempt_id, completed_at = excluded.completed_at,"
+        " started_at = excluded.started_at, engine_starts = excluded.engine_starts",
+        [run_id, stage, item, detail, attempt_id, _now(), started_at, engine_starts],
     )
+
+
+def now() -> datetime:
+    """The warehouse's clock (UTC, naive), for a stage's start."""
+    return _now()
+
+
+def stage_summary(con, run_id: str) -> list[dict[str, Any]]:
+    """Seconds per stage of a run (from the first start to the last end of its items, which may overlap),
+    the longest item, engine starts and how many items were reused, in the order the stages began."""
+    return rows(
+        con,
+        "SELECT stage, count(*) AS checkpoints, round(epoch(max(ended_at) - min(started_at)), 1) AS seconds,"
+        " round(max(seconds), 1) AS busiest_s, sum(engine_starts) AS engine_starts,"
+        " count(*) FILTER (WHERE reused) AS reused"
+        " FROM stage_times WHERE run_id = ? GROUP BY stage ORDER BY min(started_at)",
+        [run_id],
+    )
+
+
+def variant_failed(con, variant_uid: str) -> bool:
+    found = con.execute("SELECT status = 'failed' FROM variants WHERE variant_uid = ?", [variant_uid]).fetchone()
+    return bool(found and found[0])
+
+
+def speed_source(con, variant_uid: str, speed_key: str) -> str | None:
+    """The latest run that completed the benchmark stage of this variant with the same speed key: its rows are
+    what a rerun would measure again."""
+    found = con.execute(
+        "SELECT rv.run_id FROM run_variants rv JOIN run_stages st ON st.run_id = rv.run_id"
+        " AND st.stage = 'benchmark' AND st.item = rv.variant_uid"
+        " WHERE rv.variant_uid = ? AND rv.speed_key = ? AND coalesce(rv.speed_run_id, rv.run_id) = rv.run_id"
+        " ORDER BY st.completed_at DESC LIMIT 1",
+        [variant_uid, speed_key],
+    ).fetchone()
+    return found[0] if found else None
+
+
+def link_speed(con, run_id: str, variant_uid: str, speed_key: str, source_run_id: str | None = None) -> None:
+    """The run's speed rows for the variant: measured by itself (no source) or reused from `source_run_id`."""
+    con.execute("UPDATE run_variants SET speed_key = ?, speed_run_id = ? WHERE run_id = ? AND variant_uid = ?",
+                [speed_key, source_run_id or run_id, run_id, variant_uid])
 
 
 def completed_stages(con, run_id: str) -> dict[tuple[str, str], str | None]:

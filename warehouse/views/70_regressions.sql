@@ -36,7 +36,7 @@ quality AS (
 sr AS (
     SELECT s.*, d.model_id,
            dense_rank() OVER (PARTITION BY s.variant_uid, s.engine, s.scenario ORDER BY d.started_at DESC, s.run_id) AS k
-    FROM speed_results s JOIN done d USING (run_id)
+    FROM stg_speed_results s JOIN done d USING (run_id)
     WHERE s.status = 'ok' AND s.tokens_per_s IS NOT NULL
 ),
 speed AS (
