@@ -187,7 +187,8 @@ class SpeculativeSpec(Strict):
         return self
 
 
-EngineName = Literal["transformers", "vllm"]
+# vllm-bench: `vllm bench throughput` on an offline scenario, beside our vLLM figure (the harness cross-check).
+EngineName = Literal["transformers", "vllm", "vllm-bench"]
 
 # vLLM 0.26's mixed-precision (W4A16 and kin) linear kernels, by class name. vLLM takes the first one in
 # its priority order that can run the layer on the GPU; VLLM_DISABLED_KERNELS (comma-separated class
@@ -290,6 +291,9 @@ class ScenarioSpec(Strict):
     slo: SloSpec | None = None
     # serving only: run the scenario once per point of a sweep of vLLM settings (each a normal serving run).
     sweep: SweepSpec | None = None
+    # Measured on the base checkpoint only: a check of the harness (e.g. the vllm-bench cross-check), not a
+    # figure any variant is judged by.
+    base_only: bool = False
 
     @field_validator("repetitions")
     @classmethod
@@ -323,6 +327,8 @@ class ScenarioSpec(Strict):
         if self.max_model_len is not None and self.max_model_len < self.input_len + self.output_len:
             needed = self.input_len + self.output_len
             raise ValueError(f"max_model_len {self.max_model_len} is below input_len + output_len ({needed})")
+        if "vllm-bench" in self.engines and self.kind != "offline":
+            raise ValueError(f"vllm-bench measures offline throughput; kind {self.kind!r} has no bench")
         if self.transformers_compile and "transformers" not in self.engines:
             raise ValueError("transformers_compile needs the transformers engine in engines")
         for lever, on in (("speculative", self.speculative), ("tensor_parallel_size", self.tensor_parallel_size > 1)):

@@ -51,8 +51,10 @@ def run(
     workdir: WorkdirOpt = None,
     scenarios: Annotated[Optional[str], typer.Option(help="comma-separated speed scenarios, instead of the model's")] = None,
     engines: Annotated[Optional[str], typer.Option(help="comma-separated engines to benchmark (transformers,vllm)")] = None,
+    remeasure: Annotated[bool, typer.Option(help="measure speed anew even where an earlier run measured the same")] = False,
+    gpus: Annotated[Optional[str], typer.Option(help="comma-separated GPU ids as nvidia-smi numbers them: benchmarks of different checkpoints side by side, one per GPU (default: what CUDA_VISIBLE_DEVICES shows)")] = None,
 ) -> None:
-    """Download, quantize, evaluate, benchmark and decide one model."""
+    """Download, quantize, evaluate, benchmark and decide one model; ends with where the time went."""
     from quantgate.flows.evaluate_model import evaluate_model
 
     cat = load_catalog(catalog or DEFAULT_CATALOG)
@@ -64,8 +66,17 @@ def run(
         pass
     card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
                           warehouse=str(warehouse) if warehouse else None, variants=chosen,
-                          workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept)
+                          workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
+                          remeasure=remeasure, gpus=gpus)
     _print_rows(card, ["model_id", "variant", "quality_recovery", "speedup", "size_ratio", "decision", "reason"])
+    if card:
+        with store.session(warehouse, read_only=True) as con:
+            stages = store.stage_summary(con, card[0]["run_id"])
+            timeline = store.rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [card[0]["run_id"]])
+        _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"])
+        for t in timeline:
+            console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
+                          f"{t['engine_starts']} engine start(s)")
 
 
 def _names(csv: str | None) -> list[str] | None:

@@ -192,6 +192,20 @@ def _file_prompts(path: Path, tokenizer: Any, num_prompts: int, input_len: int) 
     return prompts
 
 
+def engine_sessions(
+    model_path: str, scenarios: Sequence[tuple[str, ScenarioSpec]], options: Mapping[str, Any] | None = None
+) -> list[list[tuple[str, ScenarioSpec]]]:
+    """(name, scenario) pairs grouped so that each group needs one engine start: same device, same engine
+    options. Groups keep the order of their first scenario; a group's scenarios keep theirs. The GPU suite's
+    steps are such groups, written out (flows/gpu_suite.check_steps holds them to it)."""
+    groups: dict[tuple[str, EngineOptions], list[tuple[str, ScenarioSpec]]] = {}
+    for name, scenario in scenarios:
+        device = resolve_device(scenario.device)
+        opts = engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario))
+        groups.setdefault((device, opts), []).append((name, scenario))
+    return list(groups.values())
+
+
 def run_scenario(
     model_path: str,
     engine_name: str,
@@ -283,7 +297,10 @@ def run_scenarios(
             break
         attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
                          "max_model_len": used.max_model_len, "error": payload})
-    details = {"attempts": attempts} if attempts else {}
+    # Every row of the group shares these starts: the one load, and one more per out-of-memory retry.
+    details: dict[str, Any] = {"engine_starts": len(attempts) + 1}
+    if attempts:
+        details["attempts"] = attempts
     if status != "ok":
         return results("failed", payload, used, details)
 
@@ -345,6 +362,27 @@ def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: d
                 out["decode_tokens_per_s"], weight_bytes, out["bandwidth_gbps"] * used.tensor_parallel_size
             )
     return out
+
+
+def speed_environment() -> dict[str, Any]:
+    """What speed depends on besides the checkpoint and the scenario: the libraries that run it, and the
+    device: every visible GPU's name and the driver (NVML), or the CPU."""
+    import platform
+
+    import torch
+
+    versions = _versions("vllm", "cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001 - no NVML: the GPU names and CUDA version still say what ran
+            driver = None
+        return {"versions": versions, "gpus": gpus, "driver": driver}
+    return {"versions": versions, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
 
 
 def checkpoint_config(model_path: str | Path) -> dict[str, Any] | None:
@@ -577,4 +615,4 @@ def _versions(engine_name: str, device: str) -> dict[str, str]:
     return versions
 
 
-benchmark_task = task(run_scenario, name="benchmark", tags=["benchmark"])
+benchmark_task = task(run_scenarios, name="benchmark", tags=["benchmark"])
