@@ -198,12 +198,18 @@ def engine_sessions(
     """(name, scenario) pairs grouped so that each group needs one engine start: same device, same engine
     options. Groups keep the order of their first scenario; a group's scenarios keep theirs. The GPU suite's
     steps are such groups, written out (flows/gpu_suite.check_steps holds them to it)."""
-    groups: dict[tuple[str, EngineOptions], list[tuple[str, ScenarioSpec]]] = {}
+    # Options hold dicts (a speculative config): compared, not hashed.
+    keys: list[tuple[str, EngineOptions]] = []
+    groups: list[list[tuple[str, ScenarioSpec]]] = []
     for name, scenario in scenarios:
         device = resolve_device(scenario.device)
-        opts = engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario))
-        groups.setdefault((device, opts), []).append((name, scenario))
-    return list(groups.values())
+        key = (device, engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario)))
+        if key in keys:
+            groups[keys.index(key)].append((name, scenario))
+        else:
+            keys.append(key)
+            groups.append([(name, scenario)])
+    return groups
 
 
 def run_scenario(
