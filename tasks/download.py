@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prefect import task
 
-from quantgate.catalog.schema import GgufSource, HubSource, LocalSource, ModelSpec
+from quantgate.catalog.schema import GgufParts, GgufSource, HubSource, LocalSource, ModelSpec
 from quantgate.tasks import faults, gguf_parts
 from quantgate.tasks.records import ModelArtifact
 
@@ -326,15 +326,14 @@ def _fetch_gguf(model_id: str, src: GgufSource, cache_dir: Path) -> tuple[Path, 
     sha = gguf_sha(model_id, src, cache_dir)
     out = cache_dir / "gguf" / f"{Path(src.file).stem}-{sha[:12]}"
     if not out.is_dir():
-        gguf = _assemble_gguf(model_id, src, cache_dir) if src.parts is not None else _locate_gguf(model_id, src)
+        gguf = _assemble_gguf(model_id, src.parts, src.file, cache_dir) if src.parts else _locate_gguf(model_id, src)
         _convert_gguf(model_id, gguf, out, src.dtype)
     return out, sha
 
 
-def _assemble_gguf(model_id: str, src: GgufSource, cache_dir: Path) -> Path:
-    assert src.parts is not None
+def _assemble_gguf(model_id: str, parts: GgufParts, file: str, cache_dir: Path) -> Path:
     try:
-        return gguf_parts.assemble(src.parts, src.file, cache_dir)
+        return gguf_parts.assemble(parts, file, cache_dir)
     except gguf_parts.AssemblyError as e:
         raise DownloadError(f"{model_id}: {e}") from None
 
@@ -397,7 +396,7 @@ def _dequantize_to(model_id: str, gguf: Path, folder: Path, dtype_name: str) -> 
     config = loaded.config
     # The file decides: an output matrix of its own (output.weight) is a separate lm_head, trained apart from
     # the embeddings; tying it to them would replace it with the embedding matrix.
-    tied = not gguf_has_output_matrix(gguf)
+    tied = not _has_output_matrix(gguf)
     if bool(config.tie_word_embeddings) != tied:
         holds = "no output.weight (tied to token_embd.weight)" if tied else "output.weight apart from token_embd.weight"
         raise DownloadError(f"{model_id}: {gguf.name} holds {holds}, but transformers loaded it with "
@@ -418,7 +417,7 @@ def _dequantize_to(model_id: str, gguf: Path, folder: Path, dtype_name: str) -> 
     tokenizer.save_pretrained(folder)
 
 
-def gguf_has_output_matrix(gguf: Path) -> bool:
+def _has_output_matrix(gguf: Path) -> bool:
     """Whether the GGUF file stores an output matrix (output.weight) of its own, apart from its embeddings."""
     from gguf import GGUFReader
 

@@ -20,8 +20,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import Version

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from pydantic import ValidationError
 from safetensors import safe_open
 
-from quantgate.catalog.schema import GgufParts, GgufSource, ModelSpec
+from quantgate.catalog.schema import DEFAULT_CATALOG, GgufParts, GgufSource, ModelSpec
 from quantgate.tasks import gguf_parts
 from quantgate.tasks.download import DownloadError, fetch_model
 from tests.tiny_gguf import stories_embeddings, write_stories_gguf
@@ -177,10 +178,6 @@ def test_assembled_gguf_is_converted_once_untied_in_bf16(
 def test_cli_counts_the_staged_parts_then_assembles_once_all_are_there(
     payload: bytes, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    import yaml
-
-    from quantgate.catalog.schema import DEFAULT_CATALOG
-
     data = yaml.safe_load(DEFAULT_CATALOG.read_text())
     data["policy"] = str(DEFAULT_CATALOG.parent / data["policy"])
     for m in data["models"]:
