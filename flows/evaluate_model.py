@@ -20,7 +20,7 @@ from prefect.states import Failed, State
 from quantgate.catalog.schema import (
     DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog, with_revision,
 )
-from quantgate.flows import dispatch
+from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.tasks import faults
 from quantgate.tasks.caching import build_cached, download_cached
@@ -125,8 +125,11 @@ def evaluate_model(
     if resumed:
         log.info("resuming run %s of %s: %d stage(s) already complete", run_id, spec.id, len(run.done))
     try:
-        with tags("quantgate", f"model:{spec.id}"):
+        with interrupts.guard(), tags("quantgate", f"model:{spec.id}"):
             sha = _evaluate(cat, spec, run, root, gpu_deployment, engines)
+    except interrupts.Interrupted as e:
+        _finish(run, str(e))  # the next run of the same request resumes it
+        raise
     except USER_ERRORS as e:
         # Bad input: one line in the run row and in the flow's state, no traceback.
         _finish(run, str(e))
@@ -171,6 +174,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         if model is not None and not (Path(model.path) / "config.json").is_file():
             model = None  # the folder is gone: fetch it again
     if model is None:
+        progress.enter("download", spec.id)
         model = download_cached(spec, root)
         with run.stage("download", "", model.uid) as con:
             store.record_model(con, run_id, model)
@@ -182,7 +186,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
             return store.find_variant(con, uid)
 
     built: list[VariantArtifact] = []
-    for name in spec.variants:
+    for k, name in enumerate(spec.variants, 1):
+        progress.enter("quantize", name, k, len(spec.variants))
         variant = None
         if run.is_done("quantize", name):
             with store.session(wh, read_only=True) as con:
@@ -200,7 +205,9 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     backend, device, dtype = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
     key = eval_key(suite, backend, dtype)
     usable: list[VariantArtifact] = []
-    for v in [base, *[b for b in built if b.ok]]:
+    checkpoints = [base, *[b for b in built if b.ok]]
+    for k, v in enumerate(checkpoints, 1):
+        progress.enter("evaluate", v.name, k, len(checkpoints))
         if run.is_done("evaluate", v.uid):
             with store.session(wh, read_only=True) as con:
                 failed = con.execute("SELECT status = 'failed' FROM variants WHERE variant_uid = ?", [v.uid]).fetchone()
@@ -237,7 +244,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # Token-level KL of each variant's next-token distribution from the base's, on the perplexity text.
     kl_text = spec.calibration.text_file
     kl_key = kl_eval_key(kl_text, dtype=dtype)
-    for v in variants_ok:
+    for k, v in enumerate(variants_ok, 1):
+        progress.enter("kl", v.name, k, len(variants_ok))
         if run.is_done("kl", v.uid):
             continue
         with store.session(wh, read_only=True) as con:
@@ -252,12 +260,17 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     def store_speed(uid: str, measured: list[dispatch.Measured]) -> None:
         with run.stage("benchmark", uid) as con:
             store.record_measured(con, run_id, uid, measured)
+        if (k := [v.uid for v in pending].index(uid) + 1) < len(pending):
+            progress.enter("benchmark", pending[k].name, k + 1, len(pending))
 
     pending = [v for v in [base, *variants_ok] if not run.is_done("benchmark", v.uid)]
+    if pending:
+        progress.enter("benchmark", pending[0].name, 1, len(pending))
     dispatch.benchmark_all(pending, spec, cat, root, gpu_deployment, engines=engines, on_variant=store_speed)
 
     if run.is_done("decide"):
         return model.sha
+    progress.enter("decide", spec.id)
     with run.stage("decide") as con:
         recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
         speed = store.rows(con, "SELECT * FROM variant_speedup WHERE run_id = ?", [run_id])
@@ -276,6 +289,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         store.record_decisions(con, run_id, decisions, policy.model_dump(mode="json"))
     for d in decisions:
         log.info("%s", d.reason)
+    progress.finish()
     return model.sha
 
 
