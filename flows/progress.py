@@ -44,7 +44,7 @@ def finish() -> None:
 def _move(step: Step | None) -> None:
     global _current
     done, _current = _current, step
-    for listener in list(_listeners):
+    for listener in _listeners:
         listener(done, step)
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from quantgate.warehouse import store
 from tests.cli_runs import run_cli, run_log, tables
 from tests.shared_data import TINY_MODEL
-from tests.test_bad_input import _unchanged_but_the_failed_run, encoder_only, not_a_model, write_catalog
+from tests.test_bad_input import encoder_only, not_a_model, unchanged_but_the_failed_run, write_catalog
 from tests.test_download import FakeHub
 from tests.test_warehouse import seed_run
 
@@ -80,7 +80,8 @@ def seeded(tmp_path_factory) -> Path:
 
 
 def terminal_lines(result: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    """What the terminal shows of the failure: steps that had finished before it ("done …") are progress."""
+    return [line for line in (result.stdout + result.stderr).splitlines() if line.strip() and not line.startswith("done ")]
 
 
 def assert_one_failure(result: subprocess.CompletedProcess, expected: str) -> str:
@@ -103,7 +104,7 @@ def test_a_known_failure_is_one_line(args, env, expected, makes_run, seeded, tmp
     if makes_run == "after its builds":
         _kept_but_no_results(before, after, message)
     else:
-        _unchanged_but_the_failed_run(before, after, message if makes_run else None)
+        unchanged_but_the_failed_run(before, after, message if makes_run else None)
     if makes_run:  # the task's own report of it, traceback included, is in the run's log
         assert expected in run_log(result)
 
@@ -129,7 +130,7 @@ def test_a_gated_repo_without_a_token(seeded, tmp_path, prefect_api):
     finally:
         hub.close()
     message = assert_one_failure(result, "org/tiny@main: gated repository: accept its terms")
-    _unchanged_but_the_failed_run(before, tables(wh), message)
+    unchanged_but_the_failed_run(before, tables(wh), message)
 
 
 def test_a_foreign_warehouse_file(tmp_path, prefect_api):
@@ -159,4 +160,4 @@ def test_a_locked_warehouse(seeded, tmp_path, prefect_api):
         holder.kill()
         holder.wait()
     assert_one_failure(result, f"{wh}: locked by another writer for more than 1s")
-    _unchanged_but_the_failed_run(before, tables(wh), None)
+    unchanged_but_the_failed_run(before, tables(wh), None)

@@ -79,7 +79,7 @@ def test_interrupted_in_every_stage_fails_the_run_then_resumes(tmp_path, prefect
     args = ["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(work)]
     run_ids = set()
     for point, stage, sig in CASES:
-        code, err, pids = interrupt(args, prefect_api, point, sig, tmp_path)
+        code, err, _ = interrupt(args, prefect_api, point, sig, tmp_path)
         name = signal.Signals(sig).name
         assert code == 128 + sig, err
         assert "Traceback" not in err
