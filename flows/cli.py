@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, adhoc_model, load_catalog, resolve_variants
+from quantgate.flows import interrupts
 from quantgate.warehouse import store
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Gate quantized LLM builds on quality and speed.")
@@ -53,9 +54,11 @@ def run(
     engines: Annotated[Optional[str], typer.Option(help="comma-separated engines to benchmark (transformers,vllm)")] = None,
     remeasure: Annotated[bool, typer.Option(help="measure speed anew even where an earlier run measured the same")] = False,
     gpus: Annotated[Optional[str], typer.Option(help="comma-separated GPU ids as nvidia-smi numbers them: benchmarks of different checkpoints side by side, one per GPU (default: what CUDA_VISIBLE_DEVICES shows)")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress and no log path: results and errors only")] = False,
 ) -> None:
     """Download, quantize, evaluate, benchmark and decide one model; ends with where the time went."""
-    from quantgate.flows.evaluate_model import evaluate_model
+    from quantgate.flows import live
+    from quantgate.flows.evaluate_model import evaluate_model, work_dir
 
     cat = load_catalog(catalog or DEFAULT_CATALOG)
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
@@ -64,10 +67,11 @@ def run(
     adhoc_model(cat, model, chosen, scenarios=picked, engines=kept)  # bad input fails here, in one line
     with store.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
         pass
-    card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
-                          warehouse=str(warehouse) if warehouse else None, variants=chosen,
-                          workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
-                          remeasure=remeasure, gpus=gpus)
+    with live.run_view(work_dir(str(workdir) if workdir else None), model, quiet=quiet):
+        card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
+                              warehouse=str(warehouse) if warehouse else None, variants=chosen,
+                              workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
+                              remeasure=remeasure, gpus=gpus)
     _print_rows(card, ["model_id", "variant", "quality_recovery", "speedup", "size_ratio", "decision", "reason"])
     if card:
         with store.session(warehouse, read_only=True) as con:
@@ -86,7 +90,7 @@ def _names(csv: str | None) -> list[str] | None:
 @app.command()
 def demo(warehouse: WarehouseOpt = None, workdir: WorkdirOpt = None) -> None:
     """Run the whole pipeline on SmolLM2-135M-Instruct (offline, CPU) into the local warehouse."""
-    run(DEMO_MODEL, None, None, warehouse, workdir)
+    run(DEMO_MODEL, None, None, warehouse, workdir, quiet=False)
     wh = warehouse or store.default_path()
     console.print(f"\nwarehouse: {wh}   try: quantgate sql \"select * from variant_scorecard\"")
 
@@ -326,9 +330,14 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except Exception as e:  # every user-facing failure is one line; --debug shows the rest
+    except BaseException as e:  # every user-facing failure is one line; --debug shows the rest
         if _debug:
             traceback.print_exc()
+        if (code := interrupts.exit_code(e)) is not None:
+            err.print(f"error: {e}" if isinstance(e, interrupts.Interrupted) else "error: interrupted", highlight=False)
+            sys.exit(code)
+        if not isinstance(e, Exception):
+            raise
         msg = e.format_message() if hasattr(e, "format_message") else str(e)
         first = (msg.strip().splitlines() or [type(e).__name__])[0]
         known = isinstance(e, (CatalogError, store.WarehouseError, FailedRun)) or type(e).__name__.endswith("Error")

@@ -23,7 +23,7 @@ from quantgate.catalog.schema import (
     DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model, load_catalog,
     with_revision,
 )
-from quantgate.flows import dispatch
+from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.tasks import faults, launch
 from quantgate.tasks.benchmark import speed_environment
@@ -72,6 +72,14 @@ class _Run:
         self.wh, self.run_id, self.attempt_id = wh, run_id, attempt_id
         with store.session(wh, read_only=True) as con:
             self.done = store.completed_stages(con, run_id)
+        # How many items each stage has, and how many have begun: "step k of N" in the live view.
+        self.totals: dict[str, int] = {}
+        self._begun: dict[str, int] = {}
+
+    def enter(self, stage: str, label: str = "") -> None:
+        """The run begins an item of a stage (for the live view and for an interrupt's reason)."""
+        self._begun[stage] = k = self._begun.get(stage, 0) + 1
+        progress.enter(stage, label, k, max(k, self.totals.get(stage, 1)))
 
     def is_done(self, stage: str, item: str = "") -> bool:
         return (stage, item) in self.done
@@ -92,7 +100,8 @@ class _Run:
         self.done[(stage, item)] = detail
 
     def step(self, stage: str, item: str, *, stored: Callable[[Any], T | None], compute: Callable[[], T],
-             write: Callable[[Any, T, bool], str | None], starts: Callable[[T], int] = lambda _: 0) -> T:
+             write: Callable[[Any, T, bool], str | None], starts: Callable[[T], int] = lambda _: 0,
+             label: str = "") -> T:
         """Reuse what is stored, else compute, and store with the stage mark: the one way a stage runs.
 
         `stored(con)` is the stage's result already in the warehouse (this run's, after a crash, or any run's
@@ -101,6 +110,7 @@ class _Run:
         found = self.read(stored)
         if found is not None and self.is_done(stage, item):
             return found
+        self.enter(stage, label)
         started = store.now()
         value = found if found is not None else compute()
         with store.session(self.wh) as con, store.transaction(con):
@@ -163,8 +173,11 @@ def evaluate_model(
     if resumed:
         log.info("resuming run %s of %s: %d stage(s) already complete", run_id, spec.id, len(run.done))
     try:
-        with tags("quantgate", f"model:{spec.id}"):
+        with interrupts.guard(), tags("quantgate", f"model:{spec.id}"):
             sha = _evaluate(cat, spec, run, root, gpu_deployment, engines, remeasure, launch.lanes_from(gpus))
+    except interrupts.Interrupted as e:
+        _finish(run, str(e))  # the next run of the same request resumes it
+        raise
     except USER_ERRORS as e:
         # Bad input: one line in the run row and in the flow's state, no traceback.
         _finish(run, str(e))
@@ -215,6 +228,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     log = get_run_logger()
     # vLLM's compile cache in the work dir: every engine start of the same shape, in any run, reuses it.
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
+    run.totals = {"quantize": len(spec.variants), "evaluate": 1 + len(spec.variants), "benchmark": 1}
     model = _download(run, spec, root)
     base = base_variant(model)
     suite = cat.suites[spec.suite]
@@ -238,6 +252,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     decisions = _decide(run, spec, cat, base)
     for d in decisions:
         log.info("%s", d.reason)
+    progress.finish()
     return model.sha
 
 
@@ -252,7 +267,8 @@ def _download(run: _Run, spec: ModelSpec, root: Path) -> ModelArtifact:
             store.record_variant(con, run.run_id, base_variant(model), role="base")
         return model.uid
 
-    return run.step("download", "", stored=stored, compute=lambda: download_cached(spec, root), write=write)
+    return run.step("download", "", stored=stored, compute=lambda: download_cached(spec, root), write=write,
+                    label=spec.id)
 
 
 def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spec: ModelSpec, root: Path,
@@ -275,8 +291,7 @@ def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spe
             store.record_variant(con, run.run_id, variant, role="variant")
         return variant.uid
 
-    variant = run.step("quantize", vspec.name, stored=stored, compute=build, write=write,
-                       starts=lambda v: 0 if v.reused or v.status != "built" else 1)
+    variant = run.step("quantize", vspec.name, stored=stored, compute=build, write=write, label=vspec.name)
     if not variant.ok:
         return variant, False
     return variant, _quality(run, variant, suite, setup, spec, False)
@@ -309,7 +324,8 @@ def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, 
     reports: dict[str, QualityReport] = {}
     if run.is_done("evaluate", v.uid):
         return not run.read(lambda con: store.variant_failed(con, v.uid))
-    metrics = run.step("evaluate", v.uid, stored=stored, compute=compute, write=write, starts=lambda _: 1)
+    metrics = run.step("evaluate", v.uid, stored=stored, compute=compute, write=write, starts=lambda _: 1,
+                       label=v.name)
     if bad := _nonfinite(metrics):
         if is_base:
             raise ModelOutputError(f"{spec.id}: the base model's outputs are not finite ({bad})")
@@ -327,6 +343,8 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], spec:
     stored = {v.uid for v in todo if run.read(lambda con, v=v: store.has_quality(con, v.uid, key))}
     started = store.now()
     missing = {v.uid: v.path for v in todo if v.uid not in stored}
+    if missing:
+        run.enter("kl", f"{len(missing)} variant(s)")
     reports = kl_reports_task(base.path, missing, kl_text, device=setup.device, dtype=setup.dtype) if missing else {}
     first = next(iter(reports), None)
     for v in todo:
@@ -360,6 +378,8 @@ def _benchmark(run: _Run, checkpoints: list[VariantArtifact], spec: ModelSpec, c
             store.record_measured(con, run.run_id, uid, result.measured)
             store.link_speed(con, run.run_id, uid, keys[uid])
 
+    if todo:
+        run.enter("benchmark", ", ".join(v.name for v in todo))
     dispatch.benchmark_all(todo, spec, cat, root, gpu_deployment, engines=engines, on_variant=store_speed,
                            lanes=lanes)
 
@@ -390,6 +410,7 @@ def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> 
 
     if run.is_done("decide"):
         return []
+    run.enter("decide", spec.id)
     started = store.now()
     with run.stage("decide", started=started) as con:
         decisions = compute(con)

@@ -450,6 +450,7 @@ def _child(
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    faults.point("measure")
     try:
         sender.send(("ok", _measure_group(model_path, engine_name, scenarios, opts)))
     except BaseException as e:  # report whatever stops the run, then let the process end

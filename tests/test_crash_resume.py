@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.warehouse import store
-from tests.cli_runs import run_cli, tables
+from tests.cli_runs import run_cli, run_log, tables
 from tests.shared_data import TINY_MODEL
 
 pytestmark = pytest.mark.slow
@@ -91,7 +91,7 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     def crash(fault: str) -> dict:
         result = run(fault)
         assert result.returncode == -9, result.stderr[-3000:]
-        assert f"SIGKILL at {fault if '@' in fault else fault + '@1'}" in result.stderr
+        assert f"SIGKILL at {fault if '@' in fault else fault + '@1'}" in run_log(result)
         contents = tables(wh)
         if history:
             _kept(history[-1], contents)
@@ -130,7 +130,7 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     # 6. The rerun that finishes.
     result = run(None)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming run" in result.stderr + result.stdout
+    assert "resuming run" in run_log(result)
     final = tables(wh)
     _kept(history[-1], final)
     _kept(history[0], final)
@@ -172,7 +172,7 @@ def test_a_fresh_run_after_a_finished_one_reuses_speed_unless_remeasured(setup):
     before = tables(wh)
     result = run(None)
     assert result.returncode == 0, result.stderr[-3000:]
-    output = result.stderr + result.stdout
+    output = run_log(result)
     assert "resuming run" not in output and output.count("speed unchanged since run") == 2  # base and the variant
     after = tables(wh)
     _kept(before, after)

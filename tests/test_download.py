@@ -49,7 +49,7 @@ def model_copy(tiny_model: Path, tmp_path: Path) -> Path:
 def test_local_folder_describes_the_model_and_hash_is_stable(tiny_model: Path, tmp_path: Path) -> None:
     a = fetch_model(spec(LocalSource(path=str(tiny_model)), id="stories"), tmp_path / "cache")
     b = fetch_model(spec(LocalSource(path=str(tiny_model)), id="stories"), tmp_path / "cache2")
-    assert a.path == str(tiny_model)  # used in place, not copied
+    assert Path(a.path) == tiny_model.resolve()  # used in place (links resolved), not copied
     assert (a.source, a.revision, a.architecture) == ("local", None, "LlamaForCausalLM")
     assert a.sha == b.sha and len(a.sha) == 64
     # 5 layers of hidden 64 / MLP 256 plus a tied 512x64 embedding

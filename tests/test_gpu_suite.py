@@ -16,7 +16,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from tests.shapes import TINY_QWEN
 from quantgate.catalog.schema import ScenarioSpec, SuiteStep, load_gpu_suite
-from quantgate.flows.gpu_suite import Clock, GpuSuiteError, StepOutcome, gpu_suite, run_steps, select_steps
+from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps, select_steps
 from quantgate.tasks.launch import LaunchError, on_gpus
 from quantgate.tasks.benchmark import (
     BenchmarkError,

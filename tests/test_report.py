@@ -77,10 +77,12 @@ def test_report_has_regressions_first_then_scorecard_rows_and_plots(page):
     html = page.read_text()
     assert html.index("<h2>Regressions") < html.index("<h2>Scorecard") < html.index("<h2>Quality against speed")
     assert "qg_piqa/acc" in html and "<tr class='flagged'>" in html  # awq's drop is listed and flagged
-    rows = re.findall(r"<tr class='(accept|reject)'><td class='model_id'>m</td><td class='variant'>(\w+)</td>", html)
+    rows = re.findall(r"<tr class='(accept|reject)'><td class='decision'>(?:accept|reject)</td><td class='deciding'>"
+                      r"[^<]*</td><td class='model_id'>m</td><td class='variant'>(\w+)</td>", html)
     assert sorted(rows) == [("accept", "gptq"), ("accept", "int8"), ("reject", "awq")]
     assert html.count("<td class='model_id'>n</td>") == 3
     assert "reject: qg_piqa/acc recovery 0.714 &lt; 0.95" in html  # reasons are shown, escaped
+    assert "<details><summary>why</summary><p>reject: qg_piqa/acc" in html  # the full reason on demand
     assert html.count("<svg") == 2 + 2 + 4  # one scatter per model, memory and energy bars, four latency curves
     assert "speedup over base" in html and "stroke-dasharray" in html  # x = speedup, Pareto frontier drawn
     assert "size ratio to base" in html  # model n has no speed: its x axis falls back to size
@@ -141,3 +143,37 @@ def test_report_renders_in_headless_chromium(page, tmp_path):
     with Image.open(png) as im:
         colours = im.convert("RGB").getcolors(maxcolors=1 << 16)
     assert colours is None or len(colours) > 50  # None: more colours than counted
+
+
+def test_deciding_check_is_a_rejects_first_failure_or_an_accepts_closest_gate():
+    quality = {"check": "qg_piqa/acc", "passed": True, "value": 0.99, "lower": 0.97, "threshold": 0.95, "note": "q"}
+    speed = {"check": "speed vllm/offline", "passed": False, "value": 0.9, "threshold": 1.1, "note": "s"}
+    size = {"check": "size", "passed": True, "value": 0.3, "threshold": 1.0, "note": "z"}
+    assert report.deciding_check("reject", [quality, speed, size]) == "speed vllm/offline: value 0.9 < 1.1"
+    assert report.deciding_check("accept", [quality, size]) == "qg_piqa/acc: CI low 0.97 ≥ 0.95"
+    assert report.deciding_check("accept", [size]) == "size: value 0.3 ≤ 1"
+    assert report.deciding_check("reject", [{"check": "build", "passed": False, "note": "build failed"}]) == "build failed"
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium installed (apt-get install -y chromium)")
+def test_report_fits_1400px_without_horizontal_scroll(warehouse, tmp_path):
+    """Chromium lays out the page at 1400 px, long reasons included, every <details> open; the page is no
+    wider than the window. The measuring script is added to a copy: the report itself has none."""
+    with store.session(warehouse, read_only=True) as con:
+        html = report.render(con)
+    long_reason = "reject: " + "; ".join(f"qg_task_{i}/metric recovery 0.9{i} (95% CI lower bound 0.8{i}) < 0.95"
+                                         for i in range(12))
+    html = html.replace("reject: qg_piqa/acc", long_reason + " qg_piqa/acc").replace("<details>", "<details open>")
+    probe = tmp_path / "probe.html"
+    probe.write_text(html.replace("</body>", "<script>document.body.setAttribute('data-width',"
+                                             " document.documentElement.scrollWidth)</script></body>"))
+    dom = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000", "--dump-dom",
+                          probe.as_uri()], check=True, capture_output=True, text=True, timeout=120).stdout
+    width = int(re.search(r'data-width="(\d+)"', dom).group(1))
+    assert width <= 1400, f"the page is {width} px wide at a 1400 px window"
+    scorecard = html[html.index("<table class='scorecard'>"):]
+    scorecard = scorecard[:scorecard.index("</table>")]
+    first = re.findall(r"<tr class='\w+'><td class='(\w+)'", scorecard)
+    assert len(first) == 6 and set(first) == {"decision"}  # every scorecard row starts with the verdict
