@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -174,9 +174,10 @@ def apply_views(con: duckdb.DuckDBPyConnection, force: bool = False) -> None:
 def session(path: str | Path | None = None, read_only: bool = False,
             sandbox: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
     """A short-lived connection: DuckDB admits one writing process, so writers never hold the file between steps.
-    Within a process, writing sessions take turns (threads of one flow, e.g. the GPU suite's lanes): one that
-    migrates or recreates the views would conflict with another at it."""
-    with nullcontext() if read_only else _WRITING:
+    Within a process, sessions take turns (threads of one flow: the lanes, builds and evaluations side by side):
+    one that migrates or recreates the views would conflict with another at it, and DuckDB refuses a read-only
+    connection to a file this process holds open for writing."""
+    with _WRITING:
         con = connect(path, read_only=read_only, sandbox=sandbox)
         try:
             yield con
