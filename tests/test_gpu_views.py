@@ -4,6 +4,7 @@ comparison, the dummy-weights column, the Parquet export and the markdown summar
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import duckdb
@@ -22,6 +23,7 @@ BASE, W4 = "m@abc:dummy-bf16", "m@abc:dummy-w4a16"
 def _summary_module():
     spec = importlib.util.spec_from_file_location("gpu_summary", REPO / "benchmarks" / "gpu" / "summary.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
