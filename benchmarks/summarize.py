@@ -1,6 +1,7 @@
 """Summaries of every run in a folder of warehouse table files, regenerated from those tables.
 
     python benchmarks/summarize.py DIR [--out DIR]
+    python benchmarks/summarize.py DIR --sql "select * from vllm_crosscheck"   # any query over DIR's tables + views
 
 DIR holds a tables-only Parquet export (`quantgate export DIR --tables-only`, or what benchmarks/gpu/run_suite.sh
 and run_real.sh write). Its tables are loaded into a fresh in-memory warehouse through this checkout's migrations,
@@ -208,12 +209,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a folder of table files (Parquet)")
     parser.add_argument("--out", type=Path, help="where summary.md and summary.json go (default: the folder)")
+    parser.add_argument("--sql", help="print this query's result over the folder's tables and views instead")
     args = parser.parse_args(argv)
     try:
+        if args.sql:
+            _query(args.folder, args.sql)
+            return
         files = write(args.folder, args.out or args.folder)
-    except store.WarehouseError as e:
-        sys.exit(f"error: {e}")
+    except (store.WarehouseError, duckdb.Error) as e:
+        sys.exit(f"error: {str(e).splitlines()[0]}")
     print(" ".join(str(f) for f in files))
+
+
+def _query(folder: Path, sql: str) -> None:
+    con = load(folder)
+    try:
+        con.sql(sql).show(max_width=10_000, max_rows=10_000)
+    finally:
+        con.close()
 
 
 if __name__ == "__main__":
