@@ -60,10 +60,10 @@ def summarize(con: duckdb.DuckDBPyConnection) -> list[RunSummary]:
     for run in runs:
         if run["flow_name"] == "gpu-suite":
             out.append(RunSummary(run, gpu_summary.render(con, run["run_id"]), gpu_summary.sections(con, run["run_id"])))
-        else:
-            parts = evaluate_sections(con, run["run_id"]) + [
-                s for s in gpu_summary.sections(con, run["run_id"]) if s.key not in SUITE_ONLY]
-            out.append(RunSummary(run, _evaluate_markdown(run, parts), parts))
+        else:  # evaluate-model; another flow (bench-endpoint) has speed tables only
+            parts = evaluate_sections(con, run["run_id"]) if run["flow_name"] == "evaluate-model" else []
+            parts += [s for s in gpu_summary.sections(con, run["run_id"]) if s.key not in SUITE_ONLY]
+            out.append(RunSummary(run, _run_markdown(run, parts), parts))
     return out
 
 
@@ -131,9 +131,10 @@ def evaluate_sections(con: duckdb.DuckDBPyConnection, rid: str) -> list[Section]
             ("ratio", "goodput_ratio", fixed(3)), ("status", "status", str), ("reason", "reason", cell),
         ]),
     ]
-    if _has_relation(con, "stage_times"):
+    if _has_relation(con, "stage_times"):  # since migration 0009; runs before it have no start times
         parts.append(Section("stage_times", "Stage times", store.rows(
-            con, "SELECT * FROM stage_times WHERE run_id = ? ORDER BY started_at NULLS LAST, stage, item", [rid]), [
+            con, "SELECT * FROM stage_times WHERE run_id = ? AND started_at IS NOT NULL"
+                 " ORDER BY started_at, stage, checkpoint NULLS FIRST, item", [rid]), [
             ("stage", "stage", str), ("checkpoint", "checkpoint", cell), ("seconds", "seconds", fixed(1)),
             ("engine starts", "engine_starts", count), ("reused", "reused", cell),
         ]))
@@ -144,10 +145,10 @@ def _has_relation(con: duckdb.DuckDBPyConnection, name: str) -> bool:
     return con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchone()[0] > 0
 
 
-def _evaluate_markdown(run: dict[str, Any], parts: Sequence[Section]) -> str:
+def _run_markdown(run: dict[str, Any], parts: Sequence[Section]) -> str:
     versions = json.loads(run["versions"] or "{}")
     lines = [
-        f"# evaluate-model: {run['model_id']}",
+        f"# {run['flow_name']}: {run['model_id']}",
         "",
         f"Run `{run['run_id']}` on {run['host']}, {run['started_at']:%Y-%m-%d %H:%M} UTC, {run['status']}"
         + (f": {cell(run['error'])}" if run["error"] else "") + "."
