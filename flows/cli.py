@@ -272,13 +272,15 @@ def report(
 def export(
     folder: Annotated[Path, typer.Argument(help="folder to write one file per table and view into")],
     fmt: Annotated[str, typer.Option("--format", "-f", help="parquet or csv")] = "parquet",
+    tables_only: Annotated[bool, typer.Option("--tables-only", help="leave the views out: they are derived from the"
+                                              " tables (benchmarks/summarize.py recomputes them)")] = False,
     warehouse: WarehouseOpt = None,
 ) -> None:
     """Write every table and view of the warehouse to FOLDER, one Parquet or CSV file each."""
     if fmt not in ("parquet", "csv"):
         raise typer.BadParameter(f"unknown format {fmt!r}: use parquet or csv", param_hint="--format")
     with store.session(warehouse, read_only=True) as con:
-        files = store.export(con, folder, fmt)
+        files = store.export(con, folder, fmt, views=not tables_only)
     console.print(f"{len(files)} {fmt} files in {folder}")
 
 
