@@ -12,7 +12,8 @@ from typing import Any
 
 from quantgate.warehouse import store
 
-ACCEPT, REJECT, BASE, GRID = "#2e7d32", "#c62828", "#607d8b", "#e0e0e0"
+ACCEPT, REJECT, INCONCLUSIVE, BASE, GRID = "#2e7d32", "#c62828", "#f9a825", "#607d8b", "#e0e0e0"
+VERDICT_COLOURS = {"accept": ACCEPT, "reject": REJECT, "inconclusive": INCONCLUSIVE}
 PALETTE = ("#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#283593")
 
 # The latest successful measurement of each (model, variant, engine, scenario[, load]) across runs of any
@@ -61,6 +62,7 @@ th,td{border:1px solid #d0d0d0;padding:3px 8px;text-align:left;vertical-align:to
 th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.accept td.decision{background:#c8e6c9;color:#1b5e20;font-weight:600}
 tr.reject td.decision{background:#ffcdd2;color:#b71c1c;font-weight:600}
+tr.inconclusive td.decision{background:#fff59d;color:#6d4c00;font-weight:600}
 tr.flagged td{background:#fff3e0}td.reason{min-width:300px}td.build{white-space:nowrap}
 .charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff;border:1px solid #e0e0e0}
 svg text{font:11px system-ui,sans-serif;fill:#333}svg text.label{paint-order:stroke;stroke:#fff;stroke-width:3px}
@@ -111,7 +113,8 @@ def _scorecard(card: list[dict]) -> str:
         return "<h2>Scorecard</h2><p class='note'>No evaluate-model runs in this warehouse: no decisions yet.</p>"
     cols = ["model_id", "variant", "build", "size_ratio", "quality_recovery", "quality_lower_bound", "flip_rate",
             "speedup", "speedup_basis", "serving_goodput_ratio", "serving_config", "usd_per_million_tokens",
-            "cost_basis", "decision", "reason"]
+            "cost_basis", "decision", "deciding_check", "deciding_value", "deciding_threshold", "items_to_decide",
+            "min_detectable_drop", "reason"]
     rows = [(r["decision"], [_build(r) if c == "build" else r.get(c) for c in cols]) for r in card]
     return "<h2>Scorecard</h2><p>Latest run of each model; decision by the policy, its reason beside it.</p>" + _table(cols, rows)
 
@@ -337,7 +340,7 @@ def _pareto_svg(model: str, rows: list[dict], key: str, higher_x_better: bool) -
     p.parts.append(f"<path d='M{bx:.1f} {by - 6:.1f}l6 6l-6 6l-6-6z' fill='{BASE}'/>"
                    + _text(bx - 8 if near_edge else bx + 8, by - 6, "base", "end" if near_edge else "start"))
     for i, r in enumerate(rows):
-        colour = ACCEPT if r["decision"] == "accept" else REJECT
+        colour = VERDICT_COLOURS.get(r["decision"], REJECT)
         cx, cy = p.x(r[key]), p.y(r["quality_recovery"])
         if _finite(r["quality_lower_bound"]):
             ly = p.y(r["quality_lower_bound"])
