@@ -183,7 +183,7 @@ def decide(
         # A skipped variant (its backend cannot run where the flow ran) was never measured: not accepted.
         what = "not built (skipped)" if variant.get("skipped") else "build failed"
         return Decision(uid, "reject", f"reject: {what}: {variant['error']}",
-                        [DecisionCheck("build", "build", "fail", variant["error"])], policy.hash, None, None, None)
+                        [DecisionCheck("build", "build", "fail", variant["error"] or what)], policy.hash, None, None, None)
     quality = [_quality_check(policy, gate, recovery, samples, flips) for gate in policy.quality]
     speed_check = _speed_check(policy, speed)
     size_check = _size_check(policy, variant.get("size_bytes"), base_size_bytes)
