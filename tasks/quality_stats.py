@@ -41,9 +41,8 @@ class RecoveryInterval:
 
     @property
     def min_detectable_drop(self) -> float | None:
-        """The interval's half-width, z·se: a variant whose true recovery is 1 − this puts its interval's
-        upper bound at 1 (half the time below), so smaller losses are indistinguishable from none on these
-        items. Read against 1 − threshold: when it is larger, not even a lossless variant can pass.
+        """The interval's half-width, z·se: a variant whose true recovery is 1 − this has an interval that
+        excludes 1 about half the time; smaller losses are not told apart from none on these items. Read against 1 − threshold: when it is larger, not even a lossless variant can pass.
         Taken from the paired spread the verdict itself uses, not from the base's variance and an assumed
         flip rate, which would differ from the spread each quantization method actually produces."""
         return None if self.se is None else z_score(self.confidence) * self.se
