@@ -569,7 +569,8 @@ class Policy(Strict):
     # Accept only variants that are smaller than base by at least this factor (size ÷ base size).
     max_size_ratio: float = Field(default=1.0, gt=0, le=1.0)
     # Recovery is estimated with a two-sided interval at this confidence (paired bootstrap over items);
-    # with use_lower_bound a gate passes only when the interval's lower bound clears min_recovery.
+    # with use_lower_bound a gate passes only when the interval's lower bound clears min_recovery, fails
+    # when its upper bound does not, and is inconclusive in between.
     confidence: float = Field(default=0.95, ge=0.5, lt=1.0)
     use_lower_bound: bool = True
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from quantgate.warehouse import store
 
-ACCEPT, REJECT, BASE, GRID = "#2e7d32", "#c62828", "#607d8b", "#e0e0e0"
+ACCEPT, REJECT, INCONCLUSIVE, BASE, GRID = "#2e7d32", "#c62828", "#f9a825", "#607d8b", "#e0e0e0"
+VERDICT_COLOURS = {"accept": ACCEPT, "reject": REJECT, "inconclusive": INCONCLUSIVE}
 PALETTE = ("#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#283593")
 
 # The latest successful measurement of each (model, variant, engine, scenario[, load]) across runs of any
@@ -62,6 +63,7 @@ th,td{border:1px solid #d0d0d0;padding:3px 8px;text-align:left;vertical-align:to
 th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.accept td.decision{background:#c8e6c9;color:#1b5e20;font-weight:600}
 tr.reject td.decision{background:#ffcdd2;color:#b71c1c;font-weight:600}
+tr.inconclusive td.decision{background:#fff59d;color:#6d4c00;font-weight:600}
 tr.flagged td{background:#fff3e0}td.build{white-space:nowrap}
 table.scorecard{width:100%}table.scorecard td.deciding{max-width:28em}
 td.details details{max-width:36em}td.details summary{cursor:pointer;color:#1565c0}td.details li.fail{color:#b71c1c}
@@ -97,8 +99,15 @@ def _checks(con, card: list[dict]) -> dict[tuple[str, str], list[dict]]:
     if not runs:
         return {}
     found = store.rows(con, "SELECT run_id, variant_uid, checks FROM decisions WHERE list_contains(?, run_id)", [runs])
-    return {(f["run_id"], f["variant_uid"]): json.loads(f["checks"]) if isinstance(f["checks"], str) else f["checks"] or []
-            for f in found}
+    out = {(f["run_id"], f["variant_uid"]): json.loads(f["checks"]) if isinstance(f["checks"], str) else f["checks"] or []
+           for f in found}
+    # Decisions since decision_checks keep their checks as rows (their JSON is NULL): in the older shape here.
+    for c in store.rows(con, "SELECT * FROM decision_checks WHERE list_contains(?, run_id) ORDER BY position", [runs]):
+        passed = {"pass": True, "fail": False}.get(c["outcome"])
+        out.setdefault((c["run_id"], c["variant_uid"]), []).append(
+            {"check": c["name"], "passed": passed, "note": c["note"], "value": c["value"], "lower": c["lower"],
+             "threshold": c["threshold"], "outcome": c["outcome"]})
+    return out
 
 
 def write(con, out: str | Path, model: str | None = None) -> Path:
@@ -132,7 +141,7 @@ def _scorecard(card: list[dict], checks: dict[tuple[str, str], list[dict]]) -> s
     for r in card:
         found = checks.get((r["run_id"], r["variant_uid"]), [])
         cells = [f"<td class='decision'>{escape(r['decision'])}</td>",
-                 f"<td class='deciding'>{escape(deciding_check(r['decision'], found) or _first_clause(r['reason']))}</td>",
+                 f"<td class='deciding'>{escape(_deciding(r, found))}</td>",
                  *(f"<td class='{c}'>{escape(_fmt(r.get(c)))}</td>" for c in ("model_id", "variant")),
                  f"<td class='build'>{escape(_build(r))}</td>",
                  *(f"<td class='num'>{escape(_fmt(r.get(c)))}</td>"
@@ -142,6 +151,21 @@ def _scorecard(card: list[dict], checks: dict[tuple[str, str], list[dict]]) -> s
     return ("<h2>Scorecard</h2><p>Latest run of each model; the verdict and the check that decided it first, "
             "the full reason under <em>why</em>.</p>"
             f"<table class='scorecard'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+
+
+def _deciding(r: dict, checks: list[dict]) -> str:
+    """The deciding check of a scorecard row: the stored one (decision_checks: its number against its threshold,
+    and for an inconclusive one the items that would decide it), else worked out from an older decision's JSON
+    checks, else the reason's first clause."""
+    if r.get("deciding_check"):
+        value, threshold = r.get("deciding_value"), r.get("deciding_threshold")
+        text = str(r["deciding_check"])
+        if _finite(value) and _finite(threshold):
+            text += f": {value:.4g} vs {threshold:.4g}"
+        if r.get("items_to_decide"):
+            text += f"; ~{int(r['items_to_decide']):,} items would decide"
+        return text
+    return deciding_check(r["decision"], checks) or _first_clause(r["reason"])
 
 
 def deciding_check(decision: str, checks: list[dict]) -> str | None:
@@ -170,6 +194,10 @@ def _number(check: dict) -> Any:
     return check["lower"] if check.get("lower") is not None else check.get("value")
 
 
+def _outcome(check: dict) -> str:
+    return check.get("outcome") or {True: "pass", False: "fail"}.get(check.get("passed"), "not_measured")
+
+
 def _first_clause(reason: str | None) -> str:
     return (reason or "").split(";")[0]
 
@@ -179,8 +207,7 @@ def _details(r: dict, checks: list[dict]) -> str:
             "usd_per_million_tokens", "cost_basis", "build_status"]
     facts = "".join(f"<li>{escape(c.replace('_', ' '))}: {escape(_fmt(r.get(c)))}</li>" for c in more
                     if r.get(c) is not None)
-    listed = "".join(f"<li class='{'fail' if c.get('passed') is False else 'pass'}'>{escape(str(c.get('note') or c.get('check')))}</li>"
-                     for c in checks)
+    listed = "".join(f"<li class='{_outcome(c)}'>{escape(str(c.get('note') or c.get('check')))}</li>" for c in checks)
     return (f"<details><summary>why</summary><p>{escape(r['reason'] or '')}</p>"
             + (f"<ul>{listed}</ul>" if listed else "") + (f"<ul>{facts}</ul>" if facts else "") + "</details>")
 
@@ -406,7 +433,7 @@ def _pareto_svg(model: str, rows: list[dict], key: str, higher_x_better: bool) -
     p.parts.append(f"<path d='M{bx:.1f} {by - 6:.1f}l6 6l-6 6l-6-6z' fill='{BASE}'/>"
                    + _text(bx - 8 if near_edge else bx + 8, by - 6, "base", "end" if near_edge else "start"))
     for i, r in enumerate(rows):
-        colour = ACCEPT if r["decision"] == "accept" else REJECT
+        colour = VERDICT_COLOURS.get(r["decision"], REJECT)
         cx, cy = p.x(r[key]), p.y(r["quality_recovery"])
         if _finite(r["quality_lower_bound"]):
             ly = p.y(r["quality_lower_bound"])

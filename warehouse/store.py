@@ -523,16 +523,28 @@ def record_speed(con, run_id: str, variant_uid: str, results: Sequence[SpeedResu
             con.execute(sql, [run_id, variant_uid, *values, _now()])
 
 
+_CHECK_COLUMNS = ("kind", "name", "task", "metric", "value", "lower", "upper", "threshold", "outcome",
+                  "min_detectable_drop", "items", "items_to_decide", "note", "detail")
+
+
 def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: dict[str, Any]) -> None:
+    """Each decision and its checks (`decision_checks`, one row each, in the decision's order), together."""
+    checks_sql = (f"INSERT INTO decision_checks (run_id, variant_uid, position, {', '.join(_CHECK_COLUMNS)})"
+                  f" VALUES ({', '.join('?' * (len(_CHECK_COLUMNS) + 3))})")
     with transaction(con):
         for d in decisions:
             con.execute(
-                "INSERT OR REPLACE INTO decisions (run_id, variant_uid, decision, reason, checks, quality_recovery,"
+                "INSERT OR REPLACE INTO decisions (run_id, variant_uid, decision, reason, quality_recovery,"
                 " speedup, size_ratio, policy_hash, policy, decided_at, quality_lower_bound, flip_rate)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [run_id, d.variant_uid, d.decision, d.reason, _json(d.checks), d.quality_recovery, d.speedup,
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, d.variant_uid, d.decision, d.reason, d.quality_recovery, d.speedup,
                  d.size_ratio, d.policy_hash, _json(policy), _now(), d.quality_lower_bound, d.flip_rate],
             )
+            con.execute("DELETE FROM decision_checks WHERE run_id = ? AND variant_uid = ?", [run_id, d.variant_uid])
+            for position, c in enumerate(d.checks):
+                row = asdict(c)
+                con.execute(checks_sql, [run_id, d.variant_uid, position,
+                                         *(_json(row[k]) if k == "detail" else row[k] for k in _CHECK_COLUMNS)])
 
 
 # --- reads -------------------------------------------------------------------------------------
