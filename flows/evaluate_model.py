@@ -237,9 +237,9 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # Builds first: on a CPU (one job at a time) each variant is evaluated right after its build, the base
     # last; on a GPU the base's evaluation runs beside the builds.
     with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
-        builds = [launch.submit(pool, _build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup)
+        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup)
                   for name in spec.variants]
-        base_quality = launch.submit(pool, _quality, run, base, suite, setup, spec, True)
+        base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
         built = [future.result() for future in builds]
         base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
     variants_ok = [v for v, usable in built if usable]

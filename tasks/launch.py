@@ -118,21 +118,40 @@ def _answer(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         sender.close()
 
 
+class Jobs:
+    """Unmeasured jobs, up to `slots` at a time, each in a copy of the caller's context (Prefect then sees its
+    task runs inside the flow run). With one slot a job runs at once in the caller's thread, so that a signal
+    interrupts it where it is (a CPU runs one job at a time anyway)."""
+
+    def __init__(self, slots: int) -> None:
+        self._pool = ThreadPoolExecutor(slots, thread_name_prefix="quantgate-job") if slots > 1 else None
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        if self._pool is not None:
+            return self._pool.submit(contextvars.copy_context().run, fn, *args)
+        done: Future[R] = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:  # an interrupt (BaseException) goes straight up
+            done.set_exception(e)
+        return done
+
+
 @contextmanager
-def jobs(slots: int) -> Iterator[ThreadPoolExecutor]:
-    """A pool for unmeasured jobs, `slots` at a time; submit with `submit`, so that each job runs in a copy of
-    the caller's context (Prefect then sees its task runs inside the flow run). On an exception (an interrupt
-    included) nothing queued starts, what runs in child processes is interrupted, and it is raised once the
-    running jobs have ended."""
-    pool = ThreadPoolExecutor(max(1, slots), thread_name_prefix="quantgate-job")
+def jobs(slots: int) -> Iterator[Jobs]:
+    """A `Jobs` pool. On an exception (an interrupt included) nothing queued starts, what runs in child
+    processes is interrupted, and it is raised at once: the caller's cleanup ends the processes the jobs wait
+    on, and with them the jobs."""
+    pool = Jobs(max(1, slots))
     try:
         yield pool
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pool._pool is not None:
+            pool._pool.shutdown(wait=False, cancel_futures=True)
         interrupt_children()
         raise
-    finally:
-        pool.shutdown(wait=True)
+    if pool._pool is not None:
+        pool._pool.shutdown(wait=True)
 
 
 def submit(pool: ThreadPoolExecutor, fn: Callable[..., R], *args: Any) -> Future[R]:
