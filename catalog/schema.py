@@ -540,6 +540,8 @@ class ModelSpec(Strict):
 class QualityGate(Strict):
     task: str
     metric: str
+    # lm-eval's filter of the metric (GSM8K's strict-match, flexible-extract); None: "none", else the first.
+    filter: str | None = None
     min_recovery: float = Field(gt=0, le=2)
     higher_is_better: bool
     # An optional gate (required: false) is checked where its metric has a recovery; where it does not

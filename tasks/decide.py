@@ -55,8 +55,8 @@ def _quality_check(policy: Policy, gate: QualityGate, recovery: Sequence[dict[st
                    samples: Sequence[dict[str, Any]], flips: Sequence[dict[str, Any]]) -> DecisionCheck:
     name = f"{gate.task}/{gate.metric}"
     about = {"kind": "quality", "name": name, "task": gate.task, "metric": gate.metric, "threshold": gate.min_recovery}
-    rows = sorted((r for r in recovery if r["task"] == gate.task and r["metric"] == gate.metric),
-                  key=lambda r: r["filter"] != "none")
+    rows = sorted((r for r in recovery if r["task"] == gate.task and r["metric"] == gate.metric
+                   and gate.filter in (None, r["filter"])), key=lambda r: r["filter"] != "none")
     if not rows or rows[0]["recovery"] is None:
         why = "not measured" if not rows else f"has no recovery (base {rows[0]['base_value']}, variant {rows[0]['variant_value']})"
         if gate.required:

@@ -264,3 +264,18 @@ def test_min_detectable_drop_is_the_interval_half_width_and_shrinks_with_items()
         assert check.min_detectable_drop == pytest.approx((check.upper - check.lower) / 2, rel=0.25)
         drops.append(check.min_detectable_drop)
     assert drops[1] == pytest.approx(drops[0] / 2, rel=0.01)  # 4x the items, half the drop
+
+
+def test_a_gate_with_a_filter_judges_that_filter_of_the_metric():
+    """GSM8K reports exact match twice (strict-match: the '#### N' line; flexible-extract: any last number): a
+    gate naming strict-match judges that one, whatever order the rows come in."""
+    def row(filter_, recovery):
+        return {"task": "gsm", "metric": "exact_match", "filter": filter_, "recovery": recovery, "variant_value": 0.6 * recovery,
+                "base_value": 0.6, "variant_stderr": 0.001, "base_stderr": 0.001}
+
+    policy = Policy.model_validate({"version": 1, "max_size_ratio": 0.75, "quality": [
+        {"task": "gsm", "metric": "exact_match", "filter": "strict-match", "min_recovery": 0.95, "higher_is_better": True}]})
+    rows = [row("flexible-extract", 1.0), row("strict-match", 0.5)]
+    d = decide(VARIANT, 100, rows, [], policy)
+    assert d.decision == "reject" and d.checks[0].detail["filter"] == "strict-match"
+    assert decide(VARIANT, 100, rows[::-1], [], policy).checks[0].value == pytest.approx(0.5)
