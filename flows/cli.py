@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, adhoc_model, load_catalog, resolve_variants
+from quantgate.flows import interrupts
 from quantgate.warehouse import store
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Gate quantized LLM builds on quality and speed.")
@@ -51,9 +52,13 @@ def run(
     workdir: WorkdirOpt = None,
     scenarios: Annotated[Optional[str], typer.Option(help="comma-separated speed scenarios, instead of the model's")] = None,
     engines: Annotated[Optional[str], typer.Option(help="comma-separated engines to benchmark (transformers,vllm)")] = None,
+    remeasure: Annotated[bool, typer.Option(help="measure speed anew even where an earlier run measured the same")] = False,
+    gpus: Annotated[Optional[str], typer.Option(help="comma-separated GPU ids as nvidia-smi numbers them: benchmarks of different checkpoints side by side, one per GPU (default: what CUDA_VISIBLE_DEVICES shows)")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress and no log path: results and errors only")] = False,
 ) -> None:
-    """Download, quantize, evaluate, benchmark and decide one model."""
-    from quantgate.flows.evaluate_model import evaluate_model
+    """Download, quantize, evaluate, benchmark and decide one model; ends with where the time went."""
+    from quantgate.flows import live
+    from quantgate.flows.evaluate_model import evaluate_model, work_dir
 
     cat = load_catalog(catalog or DEFAULT_CATALOG)
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
@@ -62,10 +67,20 @@ def run(
     adhoc_model(cat, model, chosen, scenarios=picked, engines=kept)  # bad input fails here, in one line
     with store.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
         pass
-    card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
-                          warehouse=str(warehouse) if warehouse else None, variants=chosen,
-                          workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept)
+    with live.run_view(work_dir(str(workdir) if workdir else None), model, quiet=quiet):
+        card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
+                              warehouse=str(warehouse) if warehouse else None, variants=chosen,
+                              workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
+                              remeasure=remeasure, gpus=gpus)
     _print_rows(card, ["model_id", "variant", "quality_recovery", "speedup", "size_ratio", "decision", "reason"])
+    if card:
+        with store.session(warehouse, read_only=True) as con:
+            stages = store.stage_summary(con, card[0]["run_id"])
+            timeline = store.rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [card[0]["run_id"]])
+        _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"])
+        for t in timeline:
+            console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
+                          f"{t['engine_starts']} engine start(s)")
 
 
 def _names(csv: str | None) -> list[str] | None:
@@ -75,7 +90,7 @@ def _names(csv: str | None) -> list[str] | None:
 @app.command()
 def demo(warehouse: WarehouseOpt = None, workdir: WorkdirOpt = None) -> None:
     """Run the whole pipeline on SmolLM2-135M-Instruct (offline, CPU) into the local warehouse."""
-    run(DEMO_MODEL, None, None, warehouse, workdir)
+    run(DEMO_MODEL, None, None, warehouse, workdir, quiet=False)
     wh = warehouse or store.default_path()
     console.print(f"\nwarehouse: {wh}   try: quantgate sql \"select * from variant_scorecard\"")
 
@@ -257,13 +272,15 @@ def report(
 def export(
     folder: Annotated[Path, typer.Argument(help="folder to write one file per table and view into")],
     fmt: Annotated[str, typer.Option("--format", "-f", help="parquet or csv")] = "parquet",
+    tables_only: Annotated[bool, typer.Option("--tables-only", help="leave the views out: they are derived from the"
+                                              " tables (benchmarks/summarize.py recomputes them)")] = False,
     warehouse: WarehouseOpt = None,
 ) -> None:
     """Write every table and view of the warehouse to FOLDER, one Parquet or CSV file each."""
     if fmt not in ("parquet", "csv"):
         raise typer.BadParameter(f"unknown format {fmt!r}: use parquet or csv", param_hint="--format")
     with store.session(warehouse, read_only=True) as con:
-        files = store.export(con, folder, fmt)
+        files = store.export(con, folder, fmt, views=not tables_only)
     console.print(f"{len(files)} {fmt} files in {folder}")
 
 
@@ -315,9 +332,14 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except Exception as e:  # every user-facing failure is one line; --debug shows the rest
+    except BaseException as e:  # every user-facing failure is one line; --debug shows the rest
         if _debug:
             traceback.print_exc()
+        if (code := interrupts.exit_code(e)) is not None:
+            err.print(f"error: {e}" if isinstance(e, interrupts.Interrupted) else "error: interrupted", highlight=False)
+            sys.exit(code)
+        if not isinstance(e, Exception):
+            raise
         msg = e.format_message() if hasattr(e, "format_message") else str(e)
         first = (msg.strip().splitlines() or [type(e).__name__])[0]
         known = isinstance(e, (CatalogError, store.WarehouseError, FailedRun)) or type(e).__name__.endswith("Error")

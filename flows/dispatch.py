@@ -7,18 +7,27 @@ deployment (GPU pool) and the nightly and the release watcher start `evaluate-mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, tags
 
 from quantgate.catalog.schema import Catalog, ModelSpec, ScenarioSpec
-from quantgate.tasks.benchmark import benchmark_task
+from quantgate.tasks import launch
+from quantgate.tasks.benchmark import benchmark_task, engine_sessions, run_scenarios
 from quantgate.tasks.records import SpeedResult, VariantArtifact
-from quantgate.tasks.serving import ServingLoad, measured_from_dict, serving_task
+from quantgate.tasks.serving import (
+    ServingLoad, bench_scenario, bench_task, measured_from_dict, serve_variant, serving_task,
+)
+from quantgate.warehouse import store
 
 GPU_RESULTS = "gpu-results"
 SERVING_LOGS = "serving-logs"
@@ -29,7 +38,7 @@ Measured = tuple[SpeedResult, list[ServingLoad]]
 
 def is_gpu_work(engine: str, scenario: ScenarioSpec) -> bool:
     """vLLM needs a GPU, and so does any scenario pinned to cuda; the rest stays with the CPU flow."""
-    return engine == "vllm" or scenario.device == "cuda"
+    return engine in ("vllm", "vllm-bench") or scenario.device == "cuda"
 
 
 def submit(deployment: str, parameters: dict[str, Any], *, name: str, tags: Sequence[str] = (),
@@ -62,76 +71,160 @@ def wait(run_ids: Sequence[str], timeout_s: float, poll_s: float = 2.0) -> dict[
             time.sleep(poll_s)
 
 
-def measure(model_path: str, engine: str, name: str, scenario: ScenarioSpec, log_dir: Path,
-            label: str) -> list[Measured]:
-    """One (engine, scenario) on one checkpoint here: an engine run (offline, latency), or `vllm serve`
-    driven through the scenario's loads (serving; one run per point of its sweep, logs under log_dir)."""
-    if scenario.kind == "serving":
-        serve = serving_task.with_options(task_run_name=f"serve {name} on {label}")
-        return serve(model_path, name, scenario, work_dir=log_dir)
-    bench = benchmark_task.with_options(task_run_name=f"benchmark {engine} {name} on {label}")
-    return [(bench(model_path, engine, name, scenario), [])]
+@dataclass(frozen=True, eq=False)  # each job is its own: compared and hashed by identity
+class SpeedJob:
+    """What one engine start measures on one checkpoint: the scenarios of one engine that need the same
+    engine options (one load, one vLLM start), or a serving scenario (one `vllm serve` per sweep point)."""
+
+    variant: VariantArtifact
+    engine: str
+    scenarios: tuple[tuple[str, ScenarioSpec], ...]
+
+    @property
+    def serving(self) -> bool:
+        return self.scenarios[0][1].kind == "serving"
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {'+'.join(name for name, _ in self.scenarios)} on {self.variant.name}"
+
+
+@dataclass(frozen=True)
+class JobResult:
+    measured: list[Measured]
+    engine_starts: int
+    started_at: datetime | None = None
+
+
+def speed_jobs(variant: VariantArtifact, scenarios: Sequence[tuple[str, ScenarioSpec]],
+               engines: Sequence[str] | None = None) -> list[SpeedJob]:
+    """A checkpoint's scenarios as engine starts: per engine, one job for each distinct engine option set
+    (tasks/benchmark.engine_sessions), and one per serving scenario."""
+    if variant.method != "base":
+        scenarios = [(name, s) for name, s in scenarios if not s.base_only]
+    jobs = []
+    for engine in dict.fromkeys(e for _, s in scenarios for e in _kept(s.engines, engines)):
+        mine = [(name, s) for name, s in scenarios if engine in _kept(s.engines, engines)]
+        # `vllm serve` and `vllm bench` start their own engine for each scenario.
+        alone = [item for item in mine if item[1].kind == "serving" or engine == "vllm-bench"]
+        jobs += [SpeedJob(variant, engine, (item,)) for item in alone]
+        shared = [item for item in mine if item not in alone]
+        jobs += [SpeedJob(variant, engine, tuple(group)) for group in engine_sessions(variant.path or "", shared)]
+    return jobs
+
+
+def measure(model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], log_dir: Path,
+            label: str, in_flow: bool = True) -> JobResult:
+    """One engine start's scenarios on one checkpoint here: an engine session (offline, latency scenarios
+    that share engine options), or `vllm serve` driven through a serving scenario's loads (one run per
+    point of its sweep, logs under log_dir). `in_flow` runs them as Prefect tasks of the flow run; a process
+    of a lane calls the plain functions."""
+    # Which GPUs the process that measured saw: a lane's one GPU, or all of this process's.
+    seen = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def rows(results: Sequence[SpeedResult]) -> list[Measured]:
+        return [(dataclasses.replace(r, details={**r.details, **seen}), []) for r in results]
+
+    if engine == "vllm-bench":
+        bench = bench_task.with_options(task_run_name=f"vllm bench on {label}") if in_flow else bench_scenario
+        results = [bench(model_path, name, scenario, work_dir=log_dir) for name, scenario in scenarios]
+        return JobResult(rows(results), sum(_starts([r]) for r in results))
+    if scenarios[0][1].kind == "serving":
+        name, scenario = scenarios[0]
+        serve = serving_task.with_options(task_run_name=f"serve {name} on {label}") if in_flow else serve_variant
+        measured = [(dataclasses.replace(r, details={**r.details, **seen}), loads)
+                    for r, loads in serve(model_path, name, scenario, work_dir=log_dir)]
+        return JobResult(measured, sum(_starts([result]) for result, _ in measured))
+    bench = (benchmark_task.with_options(task_run_name=f"benchmark {engine} {'+'.join(n for n, _ in scenarios)}"
+                                         f" on {label}") if in_flow else run_scenarios)
+    results = bench(model_path, engine, list(scenarios), log_dir=log_dir)
+    return JobResult(rows(results), _starts(results))
+
+
+def _starts(results: Sequence[SpeedResult]) -> int:
+    """Engine starts behind rows that share one start (each row carries them: none when it never began)."""
+    return max((int(r.details.get("engine_starts", 0)) for r in results), default=0)
 
 
 def benchmark_all(
     variants: Sequence[VariantArtifact], spec: ModelSpec, cat: Catalog, root: Path,
     gpu_deployment: str | None = None, timeout_s: float = 6 * 3600, engines: Sequence[str] | None = None,
-    on_variant: Callable[[str, list[Measured]], None] | None = None,
-) -> dict[str, list[Measured]]:
+    on_variant: Callable[[str, JobResult], None] | None = None, lanes: Sequence[str | None] = (None,),
+) -> dict[str, JobResult]:
     """Every (scenario, engine) of `spec` on every variant, by variant uid, in catalog order (only the
     engines named in `engines`, when given); serving scenarios (vLLM only) bring their loads along.
 
-    With `gpu_deployment`, GPU work is submitted first as runs of that deployment (one per variant,
-    engine and scenario; the GPU pool's workers take one GPU each), CPU work runs here meanwhile, and
-    the GPU runs' results are read from the files they leave under `root`/gpu-results. A GPU run that
-    fails or does not finish becomes a failed row saying so; nothing is written to the warehouse here:
-    `on_variant(uid, results)` gets each variant's results as soon as all of them are in (right after
-    its local runs when it has no GPU runs), so the caller can store them as they come.
+    Locally, each variant's scenarios run as speed jobs (one engine start each: `speed_jobs`), taken by
+    `lanes` (GPU ids: one job per GPU at a time, in a process that sees only that GPU; None: this process's
+    view), so that two measurements never share a GPU. With `gpu_deployment`, GPU work is submitted first
+    as runs of that deployment (one per variant, engine and scenario; the GPU pool's workers take one GPU
+    each), CPU work runs here meanwhile, and the GPU runs' results are read from the files they leave under
+    `root`/gpu-results. A GPU run that fails or does not finish becomes a failed row saying so; nothing is
+    written to the warehouse here: `on_variant(uid, result)` gets each variant's results as soon as all of
+    them are in, so the caller can store them as they come.
     """
     log = get_run_logger()
     out_dir = root / GPU_RESULTS
+    scenarios = [(name, cat.scenarios[name]) for name in spec.scenarios]
+    jobs = {v.uid: speed_jobs(v, scenarios, engines) for v in variants}
     pending: dict[tuple[str, str, str], str] = {}
-
-    def keys(v: VariantArtifact) -> list[tuple[tuple[str, str, str], ScenarioSpec]]:
-        return [((v.uid, name, engine), cat.scenarios[name])
-                for name in spec.scenarios for engine in _kept(cat.scenarios[name].engines, engines)]
-
     if gpu_deployment:
         for v in variants:
-            for key, scenario in keys(v):
-                _, name, engine = key
-                if is_gpu_work(engine, scenario):
-                    params = {"model_path": v.path, "engine": engine, "scenario_name": name,
-                              "scenario": scenario.model_dump(mode="json"), "out_dir": str(out_dir),
-                              "label": f"{spec.id}/{v.name}"}
-                    pending[key] = submit(
-                        gpu_deployment, params, name=f"{engine} {name} on {spec.id}/{v.name}",
-                        tags=["quantgate", "gpu", f"model:{spec.id}", f"variant:{v.name}", f"engine:{engine}"])
+            for job in jobs[v.uid]:
+                for name, scenario in job.scenarios:
+                    if is_gpu_work(job.engine, scenario):
+                        params = {"model_path": v.path, "engine": job.engine, "scenario_name": name,
+                                  "scenario": scenario.model_dump(mode="json"), "out_dir": str(out_dir),
+                                  "label": f"{spec.id}/{v.name}"}
+                        pending[(v.uid, name, job.engine)] = submit(
+                            gpu_deployment, params, name=f"{job.engine} {name} on {spec.id}/{v.name}",
+                            tags=["quantgate", "gpu", f"model:{spec.id}", f"variant:{v.name}",
+                                  f"engine:{job.engine}"])
         if pending:
             log.info("%d GPU benchmark step(s) submitted to %s", len(pending), gpu_deployment)
-    local: dict[tuple[str, str, str], list[Measured]] = {}
-    results: dict[str, list[Measured]] = {}
-    for v in variants:
-        for key, scenario in keys(v):
-            if key not in pending:
-                _, name, engine = key
-                with tags(f"model:{spec.id}", f"variant:{v.name}"):
-                    local[key] = measure(v.path, engine, name, scenario, root / SERVING_LOGS / v.name / name,
-                                         f"{spec.id}/{v.name}")
-        if not any(key in pending for key, _ in keys(v)):
-            results[v.uid] = [m for key, _ in keys(v) for m in local[key]]
-            if on_variant:
-                on_variant(v.uid, results[v.uid])
-    runs = wait(list(pending.values()), timeout_s) if pending else {}
-    for v in variants:
-        if v.uid in results:
-            continue
-        results[v.uid] = [
-            m for key, scenario in keys(v)
-            for m in (local[key] if key in local else _gpu_result(runs[pending[key]], out_dir, key[2], key[1], scenario))
-        ]
+
+    def remote(job: SpeedJob) -> bool:
+        return any((job.variant.uid, name, job.engine) in pending for name, _ in job.scenarios)
+
+    done: dict[SpeedJob, JobResult] = {}
+    results: dict[str, JobResult] = {}
+    finishing = threading.Lock()
+
+    def finish_if_complete(v: VariantArtifact) -> None:
+        with finishing:
+            if v.uid in results or not all(job in done for job in jobs[v.uid]):
+                return
+            starts = [done[job].started_at for job in jobs[v.uid] if done[job].started_at is not None]
+            results[v.uid] = JobResult([m for job in jobs[v.uid] for m in done[job].measured],
+                                       sum(done[job].engine_starts for job in jobs[v.uid]), min(starts, default=None))
         if on_variant:
             on_variant(v.uid, results[v.uid])
+
+    def run_job(job: SpeedJob, lane: str | None) -> None:
+        v = job.variant
+        log_dir = root / SERVING_LOGS / v.name / "+".join(name for name, _ in job.scenarios)
+        label = f"{spec.id}/{v.name}"
+        started = store.now()
+        with tags(f"model:{spec.id}", f"variant:{v.name}"):
+            if lane is None:
+                result = measure(v.path or "", job.engine, job.scenarios, log_dir, label)
+            else:
+                log.info("GPU %s: %s", lane, job.label)
+                result = launch.on_gpus(lane, None, measure, v.path or "", job.engine, job.scenarios, log_dir,
+                                        label, False)
+        done[job] = dataclasses.replace(result, started_at=started)
+        finish_if_complete(v)
+
+    launch.in_lanes([job for v in variants for job in jobs[v.uid] if not remote(job)], lanes, run_job)
+    runs = wait(list(pending.values()), timeout_s) if pending else {}
+    for v in variants:
+        for job in jobs[v.uid]:
+            if job not in done:
+                measured = [m for name, scenario in job.scenarios
+                            for m in _gpu_result(runs[pending[(v.uid, name, job.engine)]], out_dir, job.engine,
+                                                 name, scenario)]
+                done[job] = JobResult(measured, sum(_starts([r]) for r, _ in measured), store.now())
+        finish_if_complete(v)
     return results
 
 

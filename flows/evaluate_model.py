@@ -7,10 +7,12 @@ import json
 import math
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect import flow, get_run_logger, tags
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -18,21 +20,26 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from quantgate.catalog.schema import (
-    DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, adhoc_model, load_catalog, with_revision,
+    DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model, load_catalog,
+    with_revision,
 )
-from quantgate.flows import dispatch
+from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
-from quantgate.tasks import faults
+from quantgate.tasks import faults, launch
+from quantgate.tasks.benchmark import speed_environment
 from quantgate.tasks.caching import build_cached, download_cached
 from quantgate.tasks.calibration import CalibrationError, check_calibration_task
 from quantgate.tasks.decide import decide_task
-from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_report_task
+from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_reports_task
 from quantgate.tasks.download import DownloadError
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
-from quantgate.tasks.records import MetricResult, ModelArtifact, VariantArtifact
+from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
 from quantgate.warehouse import store
+
+
+T = TypeVar("T")
 
 
 class ModelOutputError(RuntimeError):
@@ -66,18 +73,54 @@ class _Run:
         self.wh, self.run_id, self.attempt_id = wh, run_id, attempt_id
         with store.session(wh, read_only=True) as con:
             self.done = store.completed_stages(con, run_id)
+        # How many items each stage has, and how many have begun: "step k of N" in the live view.
+        self.totals: dict[str, int] = {}
+        self._begun: dict[str, int] = {}
+
+    def enter(self, stage: str, label: str = "") -> None:
+        """The run begins an item of a stage (for the live view and for an interrupt's reason)."""
+        self._begun[stage] = k = self._begun.get(stage, 0) + 1
+        progress.enter(stage, label, k, max(k, self.totals.get(stage, 1)))
 
     def is_done(self, stage: str, item: str = "") -> bool:
         return (stage, item) in self.done
 
+    def read(self, query: Callable[[Any], T]) -> T:
+        with store.session(self.wh, read_only=True) as con:
+            return query(con)
+
     @contextmanager
-    def stage(self, stage: str, item: str = "", detail: str | None = None) -> Iterator[Any]:
+    def stage(self, stage: str, item: str = "", detail: str | None = None, started: datetime | None = None,
+              engine_starts: int = 0) -> Iterator[Any]:
         """One transaction for a stage's rows and its completion mark: after a crash both are there or neither."""
         with store.session(self.wh) as con, store.transaction(con):
             yield con
-            store.mark_stage(con, self.run_id, stage, item, detail, self.attempt_id)
+            store.mark_stage(con, self.run_id, stage, item, detail, self.attempt_id, started or store.now(),
+                             engine_starts)
             faults.point(f"write:{stage}")
         self.done[(stage, item)] = detail
+
+    def step(self, stage: str, item: str, *, stored: Callable[[Any], T | None], compute: Callable[[], T],
+             write: Callable[[Any, T, bool], str | None], starts: Callable[[T], int] = lambda _: 0,
+             label: str = "") -> T:
+        """Reuse what is stored, else compute, and store with the stage mark: the one way a stage runs.
+
+        `stored(con)` is the stage's result already in the warehouse (this run's, after a crash, or any run's
+        of the same content), or None; `compute()` makes it; `write(con, value, reused)` stores or links it
+        and returns the mark's detail. The mark carries the stage's start and its engine starts."""
+        found = self.read(stored)
+        if found is not None and self.is_done(stage, item):
+            return found
+        self.enter(stage, label)
+        started = store.now()
+        value = found if found is not None else compute()
+        with store.session(self.wh) as con, store.transaction(con):
+            detail = write(con, value, found is not None)
+            store.mark_stage(con, self.run_id, stage, item, detail, self.attempt_id, started,
+                             0 if found is not None else starts(value))
+            faults.point(f"write:{stage}")
+        self.done[(stage, item)] = detail
+        return value
 
 
 @flow(name="evaluate-model", flow_run_name=_run_name)
@@ -92,13 +135,18 @@ def evaluate_model(
     revision: str | None = None,
     template: str | None = None,
     gpu_deployment: str | None = None,
+    remeasure: bool = False,
+    gpus: str | None = None,
 ) -> list[dict] | State:
     """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for.
 
     `variants` and `scenarios` replace the catalog's lists for this run; `engines` keeps only those
     engines. `revision` pins a hub model to a commit; `template` is the catalog model whose variants,
     suite and scenarios a model outside the catalog gets; `gpu_deployment` ("gpu-step/gpu-step") sends
-    GPU benchmarks to that deployment's work pool instead of running them in this process.
+    GPU benchmarks to that deployment's work pool instead of running them in this process. Speed rows an
+    earlier run measured with the same scenarios, libraries and device are reused unless `remeasure`.
+    `gpus` ("0,1", default: what CUDA_VISIBLE_DEVICES shows) are the lanes: one measurement per GPU at a time,
+    different checkpoints side by side.
     A rerun after a crash (the model's latest run unfinished, same catalog, spec and engines) resumes
     that run: stages already stored are not done again.
     """
@@ -126,8 +174,11 @@ def evaluate_model(
     if resumed:
         log.info("resuming run %s of %s: %d stage(s) already complete", run_id, spec.id, len(run.done))
     try:
-        with tags("quantgate", f"model:{spec.id}"):
-            sha = _evaluate(cat, spec, run, root, gpu_deployment, engines)
+        with interrupts.guard(), tags("quantgate", f"model:{spec.id}"):
+            sha = _evaluate(cat, spec, run, root, gpu_deployment, engines, remeasure, launch.lanes_from(gpus))
+    except interrupts.Interrupted as e:
+        _finish(run, str(e))  # the next run of the same request resumes it
+        raise
     except USER_ERRORS as e:
         # Bad input: one line in the run row and in the flow's state, no traceback.
         _finish(run, str(e))
@@ -160,130 +211,221 @@ def _nonfinite(metrics: list[MetricResult]) -> str | None:
     return ", ".join(bad[:3]) or None
 
 
+@dataclass(frozen=True)
+class EvalSetup:
+    """How quality is scored on this machine: lm-eval's backend, the device and the 16-bit (or CPU fp32) dtype."""
+
+    backend: str
+    device: str
+    dtype: str
+
+
 def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployment: str | None,
-              engines: list[str] | None) -> str:
-    """All stages of one model that the run has not completed yet; returns the checkpoint's sha."""
+              engines: list[str] | None, remeasure: bool, lanes: list[str | None]) -> str:
+    """All stages of one model that the run has not completed yet; returns the checkpoint's sha.
+
+    Work whose time is not measured (builds, evaluations, KL) runs a few jobs at a time on a GPU, one at a
+    time on a CPU; benchmarks then take the lanes, one measurement per GPU."""
     log = get_run_logger()
-    run_id, wh = run.run_id, run.wh
-    model: ModelArtifact | None = None
-    if run.is_done("download"):
-        with store.session(wh, read_only=True) as con:
-            model = store.model_of(con, run.done[("download", "")] or "")
-        if model is not None and not (Path(model.path) / "config.json").is_file():
-            model = None  # the folder is gone: fetch it again
-    if model is None:
+    # vLLM's compile cache in the work dir: every engine start of the same shape, in any run, reuses it.
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
+    run.totals = {"quantize": len(spec.variants), "evaluate": 1 + len(spec.variants), "benchmark": 1}
+    model = _download(run, spec, root, cat)
+    base = base_variant(model)
+    suite = cat.suites[spec.suite]
+    setup = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
+
+    # Builds first: on a CPU (one job at a time) each variant is evaluated right after its build, the base
+    # last; on a GPU the base's evaluation runs beside the builds.
+    with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
+        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup)
+                  for name in spec.variants]
+        base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
+        built = [future.result() for future in builds]
+        base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
+    variants_ok = [v for v, usable in built if usable]
+
+    _kl(run, base, variants_ok, suite, setup)
+
+    checkpoints = [base, *variants_ok]
+    _benchmark(run, checkpoints, spec, cat, root, gpu_deployment, engines, remeasure, lanes)
+
+    decisions = _decide(run, spec, cat, base)
+    for d in decisions:
+        log.info("%s", d.reason)
+    progress.finish()
+    return model.sha
+
+
+def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArtifact:
+    def stored(con: Any) -> ModelArtifact | None:
+        model = store.model_of(con, run.done.get(("download", "")) or "")
+        return model if model is not None and (Path(model.path) / "config.json").is_file() else None  # gone: fetch again
+
+    def write(con: Any, model: ModelArtifact, reused: bool) -> str:
+        if not reused:
+            store.record_model(con, run.run_id, model)
+            store.record_variant(con, run.run_id, base_variant(model), role="base")
+        return model.uid
+
+    def download() -> ModelArtifact:
         model = download_cached(spec, root)
-        # Before anything of the model is stored (a resumed run passed this check when it downloaded).
+        # Before anything of the model is stored: calibration sharing text with what is evaluated is refused.
         if any(cat.variants[n].needs_calibration for n in spec.variants):
             check_calibration_task(spec.calibration, model.path, cat.suites[spec.suite])
-        with run.stage("download", "", model.uid) as con:
-            store.record_model(con, run_id, model)
-            store.record_variant(con, run_id, base_variant(model), role="base")
-    base = base_variant(model)
+        return model
 
-    def known(uid: str) -> dict | None:
-        with store.session(wh, read_only=True) as con:
-            return store.find_variant(con, uid)
+    return run.step("download", "", stored=stored, compute=download, write=write, label=spec.id)
 
-    built: list[VariantArtifact] = []
-    for name in spec.variants:
-        variant = None
-        if run.is_done("quantize", name):
-            with store.session(wh, read_only=True) as con:
-                row = store.run_variant(con, run_id, run.done[("quantize", name)] or "")
-            variant = variant_from_row(row, cat.variants[name]) if row else None
-        if variant is None:
-            variant = build_cached(model, cat.variants[name], spec.calibration, root, known)
-            log.info("%s: %s%s", name, "reused" if variant.reused else variant.status,
-                     f" ({variant.error})" if variant.error else "")
-            with run.stage("quantize", name, variant.uid) as con:
-                store.record_variant(con, run_id, variant, role="variant")
-        built.append(variant)
 
-    suite = cat.suites[spec.suite]
-    backend, device, dtype = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
-    key = eval_key(suite, backend, dtype)
-    usable: list[VariantArtifact] = []
-    for v in [base, *[b for b in built if b.ok]]:
-        if run.is_done("evaluate", v.uid):
-            with store.session(wh, read_only=True) as con:
-                failed = con.execute("SELECT status = 'failed' FROM variants WHERE variant_uid = ?", [v.uid]).fetchone()
-            if not (failed and failed[0]):
-                usable.append(v)
-            continue
-        with store.session(wh, read_only=True) as con:
-            done = store.has_quality(con, v.uid, key)
-        if done:
-            log.info("%s: quality results for this evaluation config already stored; reused", v.name)
-            with store.session(wh, read_only=True) as con:
-                metrics = store.quality_metrics(con, v.uid, key)
+def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spec: ModelSpec, root: Path,
+                        suite: SuiteSpec, setup: EvalSetup) -> tuple[VariantArtifact, bool]:
+    """A variant built (or reused) and, when it built, evaluated: (variant, usable for the next stages)."""
+    log = get_run_logger()
+
+    def stored(con: Any) -> VariantArtifact | None:
+        row = store.run_variant(con, run.run_id, run.done.get(("quantize", vspec.name)) or "")
+        return variant_from_row(row, vspec) if row else None
+
+    def build() -> VariantArtifact:
+        variant = build_cached(model, vspec, spec.calibration, root, lambda uid: run.read(lambda c: store.find_variant(c, uid)))
+        log.info("%s: %s%s", vspec.name, "reused" if variant.reused else variant.status,
+                 f" ({variant.error})" if variant.error else "")
+        return variant
+
+    def write(con: Any, variant: VariantArtifact, reused: bool) -> str:
+        if not reused:
+            store.record_variant(con, run.run_id, variant, role="variant")
+        return variant.uid
+
+    variant = run.step("quantize", vspec.name, stored=stored, compute=build, write=write, label=vspec.name)
+    if not variant.ok:
+        return variant, False
+    return variant, _quality(run, variant, suite, setup, spec, False)
+
+
+def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, spec: ModelSpec, is_base: bool) -> bool:
+    """The suite on one checkpoint, stored with its mark; False when its outputs are not finite (the variant
+    is failed with that reason; for the base it is an error: nothing can be judged against it)."""
+    key = eval_key(suite, setup.backend, setup.dtype)
+
+    def stored(con: Any) -> list[MetricResult] | None:
+        return store.quality_metrics(con, v.uid, key) if store.has_quality(con, v.uid, key) else None
+
+    def compute() -> list[MetricResult]:
+        report = evaluate_task(v.path, suite, backend=setup.backend, device=setup.device, dtype=setup.dtype,
+                               trust_remote_code=spec.trust_remote_code)
+        reports[v.uid] = report
+        return report.metrics
+
+    def write(con: Any, metrics: list[MetricResult], reused: bool) -> None:
+        if reused:
+            get_run_logger().info("%s: quality results for this evaluation config already stored; reused", v.name)
+            store.link_quality(con, run.run_id, v.uid, key)
         else:
-            report = evaluate_task(v.path, suite, backend=backend, device=device, dtype=dtype,
-                                   trust_remote_code=spec.trust_remote_code)
-            metrics = report.metrics
-        bad = _nonfinite(metrics)
-        if bad and v is base:
+            store.record_quality(con, run.run_id, v.uid, reports.pop(v.uid))
+        if (bad := _nonfinite(metrics)) and not is_base:
+            # Finite weights can still overflow: NaN/Inf outputs fail the variant, with the reason.
+            store.fail_variant(con, v.uid, f"{v.name}: outputs contain NaN/Inf ({bad})")
+
+    reports: dict[str, QualityReport] = {}
+    if run.is_done("evaluate", v.uid):
+        return not run.read(lambda con: store.variant_failed(con, v.uid))
+    metrics = run.step("evaluate", v.uid, stored=stored, compute=compute, write=write, starts=lambda _: 1,
+                       label=v.name)
+    if bad := _nonfinite(metrics):
+        if is_base:
             raise ModelOutputError(f"{spec.id}: the base model's outputs are not finite ({bad})")
-        with run.stage("evaluate", v.uid) as con:
-            if done:
-                store.link_quality(con, run_id, v.uid, key)
-            else:
-                store.record_quality(con, run_id, v.uid, report)
-            if bad:
-                # Finite weights can still overflow: NaN/Inf outputs fail the variant, with the reason.
-                store.fail_variant(con, v.uid, f"{v.name}: outputs contain NaN/Inf ({bad})")
-        if bad:
-            log.warning("%s: outputs contain NaN/Inf (%s); marked failed", v.name, bad)
-        else:
-            usable.append(v)
-    variants_ok = [v for v in usable if v is not base]
+        get_run_logger().warning("%s: outputs contain NaN/Inf (%s); marked failed", v.name, bad)
+        return False
+    return True
 
-    # Token-level KL of each variant's next-token distribution from the base's, on the perplexity text.
+
+def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite: SuiteSpec, setup: EvalSetup) -> None:
+    """Token-level KL of each variant's next-token distribution from the base's, on the suite's KL text: the
+    base loaded once, each variant in turn; each variant's rows stored with its own mark."""
     kl_text = suite.kl_text
-    kl_key = kl_eval_key(kl_text, dtype=dtype)
-    for v in variants_ok:
-        if run.is_done("kl", v.uid):
+    key = kl_eval_key(kl_text, dtype=setup.dtype)
+    todo = [v for v in variants if not run.is_done("kl", v.uid)]
+    stored = {v.uid for v in todo if run.read(lambda con, v=v: store.has_quality(con, v.uid, key))}
+    started = store.now()
+    missing = {v.uid: v.path for v in todo if v.uid not in stored}
+    if missing:
+        run.enter("kl", f"{len(missing)} variant(s)")
+    reports = kl_reports_task(base.path, missing, kl_text, device=setup.device, dtype=setup.dtype) if missing else {}
+    first = next(iter(reports), None)
+    for v in todo:
+        starts = (2 if v.uid == first else 1) if v.uid in reports else 0  # the base's load, once, with the first
+        with run.stage("kl", v.uid, started=started, engine_starts=starts) as con:
+            if v.uid in reports:
+                store.record_quality(con, run.run_id, v.uid, reports[v.uid], link=False)
+
+
+def _benchmark(run: _Run, checkpoints: list[VariantArtifact], spec: ModelSpec, cat: Catalog, root: Path,
+               gpu_deployment: str | None, engines: list[str] | None, remeasure: bool, lanes: list[str | None]) -> None:
+    """Speed of every checkpoint, measured unless an earlier run measured the same thing (`remeasure`: always)."""
+    log = get_run_logger()
+    keys = {v.uid: speed_key(spec, cat, engines) for v in checkpoints}
+    todo = []
+    for v in checkpoints:
+        if run.is_done("benchmark", v.uid):
             continue
-        with store.session(wh, read_only=True) as con:
-            done = store.has_quality(con, v.uid, kl_key)
-        report = None if done else kl_report_task(base.path, v.path, kl_text, device=device, dtype=dtype)
-        with run.stage("kl", v.uid) as con:
-            if report is not None:
-                store.record_quality(con, run_id, v.uid, report, link=False)
+        source = None if remeasure else run.read(lambda con, v=v: store.speed_source(con, v.uid, keys[v.uid]))
+        if source is None:
+            todo.append(v)
+            continue
+        log.info("%s: speed unchanged since run %s (same scenarios, libraries and device); reused", v.name, source)
+        with run.stage("benchmark", v.uid, f"reused from run {source}") as con:
+            store.link_speed(con, run.run_id, v.uid, keys[v.uid], source)
 
-    # GPU benchmarks may run on the GPU pool; their results come back here, the one warehouse writer,
-    # and each variant's rows are stored with its completion mark as soon as they are all in.
-    def store_speed(uid: str, measured: list[dispatch.Measured]) -> None:
-        with run.stage("benchmark", uid) as con:
-            store.record_measured(con, run_id, uid, measured)
+    # Results come back here, the one warehouse writer, and each checkpoint's rows are stored with its
+    # completion mark as soon as they are all in.
+    def store_speed(uid: str, result: dispatch.JobResult) -> None:
+        with run.stage("benchmark", uid, started=result.started_at, engine_starts=result.engine_starts) as con:
+            store.record_measured(con, run.run_id, uid, result.measured)
+            store.link_speed(con, run.run_id, uid, keys[uid])
 
-    pending = [v for v in [base, *variants_ok] if not run.is_done("benchmark", v.uid)]
-    dispatch.benchmark_all(pending, spec, cat, root, gpu_deployment, engines=engines, on_variant=store_speed)
+    if todo:
+        run.enter("benchmark", ", ".join(v.name for v in todo))
+    dispatch.benchmark_all(todo, spec, cat, root, gpu_deployment, engines=engines, on_variant=store_speed,
+                           lanes=lanes)
 
-    if run.is_done("decide"):
-        return model.sha
-    with run.stage("decide") as con:
+
+def speed_key(spec: ModelSpec, cat: Catalog, engines: list[str] | None) -> str:
+    """What a checkpoint's speed rows depend on besides the checkpoint: its scenarios and engines, the
+    libraries that run them and the device (GPU model and driver, or the CPU)."""
+    key = {"scenarios": {n: cat.scenarios[n].model_dump(mode="json") for n in spec.scenarios},
+           "engines": sorted(engines or []), "environment": speed_environment()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> list[Decision]:
+    run_id = run.run_id
+    policy = spec.policy or cat.policy
+
+    def compute(con: Any) -> list[Decision]:
         recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
         speed = store.rows(con, "SELECT * FROM variant_speedup WHERE run_id = ?", [run_id])
-        policy = spec.policy or cat.policy
         samples = store.paired_samples(con, run_id, [(g.task, g.metric) for g in policy.quality])
         flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = ?", [run_id])
         serving = store.rows(con, "SELECT * FROM variant_serving WHERE run_id = ?", [run_id])
         rows = store.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
                                " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
         of = lambda found, row: [r for r in found if r["variant_uid"] == row["variant_uid"]]  # noqa: E731
-        decisions = [
-            decide_task(row, base.size_bytes, of(recovery, row), of(speed, row), policy,
-                        of(samples, row), of(flips, row), of(serving, row))
-            for row in rows
-        ]
+        return [decide_task(row, base.size_bytes, of(recovery, row), of(speed, row), policy,
+                            of(samples, row), of(flips, row), of(serving, row)) for row in rows]
+
+    if run.is_done("decide"):
+        return []
+    run.enter("decide", spec.id)
+    started = store.now()
+    with run.stage("decide", started=started) as con:
+        decisions = compute(con)
         store.record_decisions(con, run_id, decisions, policy.model_dump(mode="json"))
-    for d in decisions:
-        log.info("%s", d.reason)
-    return model.sha
+    return decisions
 
 
-def _eval_setup(load_time: bool = False) -> tuple[str, str, str]:
+def _eval_setup(load_time: bool = False) -> EvalSetup:
     """lm-eval's vLLM backend on a GPU machine that has vLLM, else Transformers (bf16 on GPU, fp32 on CPU).
 
     With load-time (bitsandbytes) variants every checkpoint of the model, the base included, is evaluated
@@ -294,8 +436,8 @@ def _eval_setup(load_time: bool = False) -> tuple[str, str, str]:
     import torch
 
     if not torch.cuda.is_available():
-        return "hf", "cpu", "float32"
-    return ("vllm" if importlib.util.find_spec("vllm") and not load_time else "hf"), "cuda", "bfloat16"
+        return EvalSetup("hf", "cpu", "float32")
+    return EvalSetup("vllm" if importlib.util.find_spec("vllm") and not load_time else "hf", "cuda", "bfloat16")
 
 
 def _publish(model_id: str, card: list[dict]) -> None:

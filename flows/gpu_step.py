@@ -65,8 +65,8 @@ def gpu_step(model_path: str, engine: str, scenario_name: str, scenario: dict[st
     get_run_logger().info("waiting for GPU slot %s", slot)
     out = Path(out_dir)
     with concurrency(slot, occupy=1, strict=True):
-        measured = measure(model_path, engine, scenario_name, spec, out.parent / SERVING_LOGS / str(flow_run.id),
-                           label or Path(model_path).name)
+        measured = measure(model_path, engine, [(scenario_name, spec)], out.parent / SERVING_LOGS / str(flow_run.id),
+                           label or Path(model_path).name).measured
     payload = {"runs": [measured_to_dict(result, loads) for result, loads in measured]}
     out.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".gpu-step.", dir=out)

@@ -15,20 +15,14 @@ sees only that GPU, and tensor-parallel steps run after them on all of them.
 from __future__ import annotations
 
 import argparse
-import contextvars
 import fcntl
 import hashlib
 import json
 import math
 import multiprocessing
-import os
 import platform
-import signal
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -41,10 +35,11 @@ from prefect.runtime import flow_run
 from quantgate.catalog.schema import (
     CATALOG_DIR, DEFAULT_CATALOG, GpuSuiteSpec, ScenarioSpec, SuiteStep, load_catalog, load_gpu_suite,
 )
-from quantgate.tasks import engines
-from quantgate.tasks.benchmark import engine_options, resolve_device, run_scenarios
+from quantgate.tasks import engines, launch
+from quantgate.tasks.benchmark import engine_sessions, resolve_device, run_scenarios
 from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
 from quantgate.tasks.errors import one_line
+from quantgate.tasks.launch import in_lanes
 from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
 from quantgate.tasks.serving import ServingLoad, bench_scenario, serve_variant
 from quantgate.warehouse import store
@@ -94,15 +89,15 @@ def run_steps(
     record: Callable[[int, SuiteStep, StepOutcome, float | None, float | None], None],
     lanes: Sequence[str | None] = (None,),
     wide: Callable[[SuiteStep], bool] = lambda step: False,
-    interrupt: Callable[[], None] = lambda: None,
+    interrupt: Callable[[], None] = launch.interrupt_children,
 ) -> list[StepOutcome]:
     """Run steps in order: each gets execute(index, step, timeout_s, lane) unless the deadline has passed,
     when it gets skip(index, step, reason) instead. An exception from a step is its failure.
 
     With several lanes (GPUs), each lane takes the next step nobody has started, so steps run side by side,
-    one per lane; steps that need every lane (`wide`, e.g. tensor parallel) run after the others, alone, with
-    lane None. An interrupt (SIGINT) lets no lane start another step and calls `interrupt` to end the running
-    ones, so that they are recorded before it goes on."""
+    one per lane (tasks/launch.in_lanes); steps that need every lane (`wide`, e.g. tensor parallel) run after
+    the others, alone, with lane None. An interrupt (SIGINT) lets no lane start another step and calls
+    `interrupt` to end the running ones, so that they are recorded before it goes on."""
     outcomes: dict[int, StepOutcome] = {}
 
     def one(pos: int, index: int, step: SuiteStep, lane: str | None) -> None:
@@ -126,101 +121,11 @@ def run_steps(
             one(pos, index, step, lanes[0])
         return [outcomes[pos] for pos in range(len(todo))]
 
-    queue = deque(item for item in todo if not wide(item[2]))
-    taking = threading.Lock()
-
-    def lane_loop(lane: str | None) -> None:
-        while True:
-            with taking:
-                if not queue:
-                    return
-                pos, index, step = queue.popleft()
-            one(pos, index, step, lane)
-
-    # Each lane thread runs in a copy of this context, so that Prefect sees its task runs inside this flow run.
-    pool = ThreadPoolExecutor(len(lanes), thread_name_prefix="gpu-lane")
-    try:
-        for future in [pool.submit(contextvars.copy_context().run, lane_loop, lane) for lane in lanes]:
-            future.result()
-    except BaseException:
-        with taking:
-            queue.clear()
-        interrupt()
-        raise
-    finally:
-        pool.shutdown(wait=True)
+    in_lanes([item for item in todo if not wide(item[2])], lanes, lambda item, lane: one(*item, lane), interrupt)
     for pos, index, step in todo:
         if wide(step):
             one(pos, index, step, None)
     return [outcomes[pos] for pos in range(len(todo))]
-
-
-def on_gpus(gpus: str, timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) in a fresh process that sees only `gpus` (CUDA_VISIBLE_DEVICES, e.g. "1"): how steps on
-    several GPUs run side by side. Everything the step starts (engines, servers) inherits that view, and
-    NVML readings follow it (tasks/telemetry.py). A spawned process takes the environment as it is when it
-    starts, so the variable is set for that moment only, under a lock."""
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    # Not a daemon: the engines it runs start processes of their own.
-    proc = ctx.Process(target=_answer, args=(sender, fn, args), name=f"quantgate-gpu{gpus}")
-    with _SPAWNING:
-        before = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-        try:
-            proc.start()
-        finally:
-            if before is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = before
-        _RUNNING.add(proc)
-    sender.close()
-    try:
-        # The step keeps its own time; the margin is for its cleanup (stopping a server, an engine's teardown).
-        if not receiver.poll(timeout_s + 120):
-            raise GpuSuiteError(f"GPU {gpus}: the step gave no answer within {timeout_s + 120:.0f} s")
-        try:
-            status, value = receiver.recv()
-        except EOFError:
-            proc.join()
-            raise GpuSuiteError(f"GPU {gpus}: the step's process ended without an answer (exit code {proc.exitcode})")
-        proc.join(60)  # time for what it started to end
-        if status != "ok":
-            raise GpuSuiteError(f"GPU {gpus}: {value}")
-        return value
-    finally:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGINT)  # type: ignore[arg-type]  # its `finally` blocks stop what it started
-            proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-        receiver.close()
-        with _SPAWNING:
-            _RUNNING.discard(proc)
-
-
-def interrupt_gpu_steps() -> None:
-    """SIGINT to every step running in a process of its own (on_gpus): each stops its servers and engines
-    and answers, so that the lanes record it and end."""
-    with _SPAWNING:
-        for proc in _RUNNING:
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGINT)  # type: ignore[arg-type]
-
-
-_SPAWNING = threading.Lock()
-_RUNNING: set[multiprocessing.process.BaseProcess] = set()
-
-
-def _answer(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    try:
-        sender.send(("ok", fn(*args)))
-    except BaseException as e:  # whatever stops the step, as its one-line reason
-        sender.send(("error", one_line(e)))
-    finally:
-        sender.close()
 
 
 # --- builds ------------------------------------------------------------------------------------
@@ -331,17 +236,17 @@ def suite_prices(spec: GpuSuiteSpec, spec_hash: str) -> tuple[dict[str, float], 
 
 
 def check_steps(spec: GpuSuiteSpec) -> None:
-    """Every engine step's scenarios must need one engine configuration, since they share one start."""
+    """Every engine step's scenarios must form one engine session (tasks/benchmark.engine_sessions), since
+    they share one start."""
     for i, step in enumerate(spec.steps):
         if step.engine not in ("transformers", "vllm"):
             continue
-        first = engine_options(spec.scenarios[step.scenarios[0]], "cuda")
-        for name in step.scenarios[1:]:
-            if engine_options(spec.scenarios[name], "cuda") != first:
-                raise GpuSuiteError(
-                    f"steps.{i}: scenarios {step.scenarios[0]!r} and {name!r} need different engine options;"
-                    " put them in separate steps"
-                )
+        sessions = engine_sessions("", [(name, spec.scenarios[name]) for name in step.scenarios])
+        if len(sessions) > 1:
+            raise GpuSuiteError(
+                f"steps.{i}: scenarios {sessions[0][0][0]!r} and {sessions[1][0][0]!r} need different engine options;"
+                " put them in separate steps"
+            )
 
 
 def _step_engines(step: SuiteStep) -> tuple[str, str]:
@@ -356,7 +261,7 @@ def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[st
              gpus: str | None = None) -> StepOutcome:
     """One step, here or (with `gpus`) in a process that sees only those GPUs."""
     args = (step, build, scenarios, config, work, timeout_s, wh, run_id)
-    return run_step(*args) if gpus is None else on_gpus(gpus, timeout_s, run_step, *args)
+    return run_step(*args) if gpus is None else launch.on_gpus(gpus, timeout_s, run_step, *args)
 
 
 def run_step(step: SuiteStep, build: Build, scenarios: list[tuple[str, ScenarioSpec]], config: dict[str, Any],
@@ -491,7 +396,7 @@ def gpu_suite(
         def wide(step: SuiteStep) -> bool:
             return any(s.tensor_parallel_size > 1 for _, s in scenarios_of(step))
 
-        run_steps(steps, clock, execute, skip, record, lanes, wide, interrupt_gpu_steps)
+        run_steps(steps, clock, execute, skip, record, lanes, wide)
     with store.session(wh) as con:
         return store.rows(con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [run_id])
 

@@ -62,13 +62,9 @@ def current_sha(spec: ModelSpec, work_root: Path, *, offline: bool | None = None
         return download.folder_sha256(folder, cache_dir)
     if isinstance(src, GgufSource):
         try:
-            gguf = download._locate_gguf(spec.id, src)
+            return download.gguf_sha(spec.id, src, cache_dir)
         except download.DownloadError as e:
             raise ShaUnavailable(str(e)) from None
-        hashes = download._HashCache(cache_dir / download.HASH_CACHE)
-        sha = hashes.sha256(gguf)
-        hashes.save()
-        return sha
     assert isinstance(src, HubSource)
     if _COMMIT.match(src.revision):
         return src.revision

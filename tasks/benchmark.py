@@ -192,6 +192,26 @@ def _file_prompts(path: Path, tokenizer: Any, num_prompts: int, input_len: int) 
     return prompts
 
 
+def engine_sessions(
+    model_path: str, scenarios: Sequence[tuple[str, ScenarioSpec]], options: Mapping[str, Any] | None = None
+) -> list[list[tuple[str, ScenarioSpec]]]:
+    """(name, scenario) pairs grouped so that each group needs one engine start: same device, same engine
+    options. Groups keep the order of their first scenario; a group's scenarios keep theirs. The GPU suite's
+    steps are such groups, written out (flows/gpu_suite.check_steps holds them to it)."""
+    # Options hold dicts (a speculative config): compared, not hashed.
+    keys: list[tuple[str, EngineOptions]] = []
+    groups: list[list[tuple[str, ScenarioSpec]]] = []
+    for name, scenario in scenarios:
+        device = resolve_device(scenario.device)
+        key = (device, engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario)))
+        if key in keys:
+            groups[keys.index(key)].append((name, scenario))
+        else:
+            keys.append(key)
+            groups.append([(name, scenario)])
+    return groups
+
+
 def run_scenario(
     model_path: str,
     engine_name: str,
@@ -283,7 +303,10 @@ def run_scenarios(
             break
         attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
                          "max_model_len": used.max_model_len, "error": payload})
-    details = {"attempts": attempts} if attempts else {}
+    # Every row of the group shares these starts: the one load, and one more per out-of-memory retry.
+    details: dict[str, Any] = {"engine_starts": len(attempts) + 1}
+    if attempts:
+        details["attempts"] = attempts
     if status != "ok":
         return results("failed", payload, used, details)
 
@@ -347,6 +370,27 @@ def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: d
     return out
 
 
+def speed_environment() -> dict[str, Any]:
+    """What speed depends on besides the checkpoint and the scenario: the libraries that run it, and the
+    device: every visible GPU's name and the driver (NVML), or the CPU."""
+    import platform
+
+    import torch
+
+    versions = _versions("vllm", "cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001 - no NVML: the GPU names and CUDA version still say what ran
+            driver = None
+        return {"versions": versions, "gpus": gpus, "driver": driver}
+    return {"versions": versions, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+
+
 def checkpoint_config(model_path: str | Path) -> dict[str, Any] | None:
     """A checkpoint's config.json, or None when it cannot be read."""
     try:
@@ -406,6 +450,7 @@ def _child(
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    faults.point("measure")
     try:
         sender.send(("ok", _measure_group(model_path, engine_name, scenarios, opts)))
     except BaseException as e:  # report whatever stops the run, then let the process end
@@ -577,4 +622,4 @@ def _versions(engine_name: str, device: str) -> dict[str, str]:
     return versions
 
 
-benchmark_task = task(run_scenario, name="benchmark", tags=["benchmark"])
+benchmark_task = task(run_scenarios, name="benchmark", tags=["benchmark"])

@@ -1,7 +1,7 @@
 """Prefect task caching for the download and quantize steps, kept under the work dir.
 
 A download is keyed by what identifies the checkpoint before fetching it (a hub commit sha, a local
-folder's content hash, a GGUF file's hash and the converter's versions); a build by the variant uid,
+folder's content hash, a GGUF checkpoint's identity and the transformers version); a build by the variant uid,
 which is the model sha + recipe hash + quantizer library versions (+ the calibration data; for a
 bitsandbytes variant, its config and the bitsandbytes and transformers versions). Cache
 records and results live in `<workdir>/cache/`, so every run and every worker that shares the work
@@ -53,12 +53,9 @@ def download_key(spec: ModelSpec, cache_dir: Path) -> str | None:
         ident = {"local": str(folder), "sha": download.folder_sha256(folder, cache_dir)}
     elif isinstance(src, GgufSource):
         try:
-            gguf = download._locate_gguf(spec.id, src)
+            sha = download.gguf_sha(spec.id, src, cache_dir)
         except download.DownloadError:
             return None
-        hashes = download._HashCache(cache_dir / download.HASH_CACHE)
-        sha = hashes.sha256(gguf)
-        hashes.save()
         ident = {"gguf": sha, "libs": {k: v for k, v in quantize.lib_versions().items() if k == "transformers"}}
     else:
         return None

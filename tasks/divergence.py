@@ -11,6 +11,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from prefect import task
@@ -73,13 +74,16 @@ def kl_divergence(
     dtype: str = "float32",
 ) -> tuple[MetricResult, list[SampleResult]]:
     """Mean over scored positions of KL(P_base || P_variant), and one sample per window (doc_id = window index).
-
     stderr is over the per-window means: positions in one window are correlated, windows far less so.
     Both models stay loaded and the windows go one at a time, so memory is two models plus one
     window's logits (seq_len x vocab), whatever max_tokens is.
     """
     windows = _windows(base_path, text_file, seq_len, max_tokens)
-    base, variant = _load(base_path, device, dtype), _load(variant_path, device, dtype)
+    return _against(_load(base_path, device, dtype), _load(variant_path, device, dtype), windows, device)
+
+
+def _against(base: torch.nn.Module, variant: torch.nn.Module, windows: list[torch.Tensor],
+             device: str) -> tuple[MetricResult, list[SampleResult]]:
     samples: list[SampleResult] = []
     total, count = 0.0, 0
     with torch.inference_mode():
@@ -113,29 +117,51 @@ def kl_divergence(
     return metric, samples
 
 
-def kl_report(
+def kl_reports(
     base_path: str,
-    variant_path: str,
+    variant_paths: dict[str, str],
     text_file: str,
     *,
     seq_len: int = 256,
     max_tokens: int = 4096,
     device: str = "cpu",
     dtype: str = "float32",
-) -> QualityReport:
-    """kl_divergence as a QualityReport for `store.record_quality`; a failure comes back as status "failed"."""
+) -> dict[str, QualityReport]:
+    """kl_divergence of each variant (by uid) as a QualityReport for `store.record_quality`, the base loaded
+    once for all of them and each variant in turn; a failure comes back as status "failed" (a failed base
+    load fails every report)."""
     config = {"base": base_path, "text_file": text_file, "seq_len": seq_len, "max_tokens": max_tokens,
               "device": device, "dtype": dtype}  # fmt: skip
     key = kl_eval_key(text_file, seq_len, max_tokens, dtype)
     start = time.perf_counter()
-    try:
-        metric, samples = kl_divergence(base_path, variant_path, text_file, seq_len=seq_len, max_tokens=max_tokens,
-                                        device=device, dtype=dtype)  # fmt: skip
-    except Exception as e:
+
+    def failed(e: Exception, since: float) -> QualityReport:
         error = str(e) if isinstance(e, DivergenceError) else one_line(e)
-        return QualityReport(key, EVALUATOR, config, [], [], time.perf_counter() - start, "failed", error)
-    return QualityReport(key, EVALUATOR, config, [metric], samples, time.perf_counter() - start)
+        return QualityReport(key, EVALUATOR, config, [], [], time.perf_counter() - since, "failed", error)
+
+    try:
+        windows = _windows(base_path, text_file, seq_len, max_tokens)
+        base = _load(base_path, device, dtype)
+    except Exception as e:
+        return {uid: failed(e, start) for uid in variant_paths}
+    out: dict[str, QualityReport] = {}
+    for uid, path in variant_paths.items():
+        since = time.perf_counter()
+        try:
+            metric, samples = _against(base, _load(path, device, dtype), windows, device)
+        except Exception as e:
+            out[uid] = failed(e, since)
+            continue
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        out[uid] = QualityReport(key, EVALUATOR, config, [metric], samples, time.perf_counter() - since)
+    return out
 
 
-kl_task = task(kl_divergence, name="kl-divergence")
-kl_report_task = task(kl_report, name="kl-divergence-report")
+def kl_report(base_path: str, variant_path: str, text_file: str, **options: Any) -> QualityReport:
+    """kl_reports of one variant."""
+    return kl_reports(base_path, {"variant": variant_path}, text_file, **options)["variant"]
+
+
+kl_reports_task = task(kl_reports, name="kl-divergence")

@@ -1,7 +1,8 @@
 """Put a catalog model on local disk: a hub snapshot, a local folder, or a GGUF file dequantized once.
 
 Every model comes back as a folder transformers can load, identified by the hub commit sha or by a
-content hash (local folder: its model files; GGUF: the .gguf file).
+content hash (local folder: its model files; GGUF: the .gguf file's, with the converter version and dtype).
+A GGUF comes from a folder, an installed package, or wheels on the package registry (tasks/gguf_parts.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from pathlib import Path
 
 from prefect import task
 
-from quantgate.catalog.schema import GgufSource, HubSource, LocalSource, ModelSpec
-from quantgate.tasks import faults
+from quantgate.catalog.schema import GgufParts, GgufSource, HubSource, LocalSource, ModelSpec
+from quantgate.tasks import faults, gguf_parts
 from quantgate.tasks.records import ModelArtifact
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ HASH_CACHE = "file_hashes.json"
 # Name of a Prefect Secret block holding the hub token, for workers without HF_TOKEN in their environment.
 TOKEN_SECRET_ENV = "QUANTGATE_HF_TOKEN_SECRET"
 _CHUNK = 8 << 20
+# Version of the GGUF conversion, part of a GGUF checkpoint's identity: 2 stores the source's dtype (bf16 by
+# default, float32 before) and ties the embeddings only where the file does.
+GGUF_CONVERTER = 2
 
 
 class DownloadError(RuntimeError):
@@ -305,15 +309,33 @@ class _HashCache:
 # --- GGUF --------------------------------------------------------------------------------------
 
 
+def gguf_sha(model_id: str, src: GgufSource, cache_dir: Path) -> str:
+    """The identity of `src`'s dequantized checkpoint, known before converting it: the GGUF file's sha256 (for
+    `parts`, the catalog's, so nothing is fetched), the converter's version and the stored dtype."""
+    if src.parts is not None:
+        file_sha = src.parts.sha256
+    else:
+        hashes = _HashCache(Path(cache_dir) / HASH_CACHE)
+        file_sha = hashes.sha256(_locate_gguf(model_id, src))
+        hashes.save()
+    ident = {"gguf": file_sha, "converter": GGUF_CONVERTER, "dtype": src.dtype}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
 def _fetch_gguf(model_id: str, src: GgufSource, cache_dir: Path) -> tuple[Path, str]:
-    gguf = _locate_gguf(model_id, src)
-    hashes = _HashCache(cache_dir / HASH_CACHE)
-    sha = hashes.sha256(gguf)
-    hashes.save()
-    out = cache_dir / "gguf" / f"{gguf.stem}-{sha[:12]}"
+    sha = gguf_sha(model_id, src, cache_dir)
+    out = cache_dir / "gguf" / f"{Path(src.file).stem}-{sha[:12]}"
     if not out.is_dir():
-        _convert_gguf(model_id, gguf, out)
+        gguf = _assemble_gguf(model_id, src.parts, src.file, cache_dir) if src.parts else _locate_gguf(model_id, src)
+        _convert_gguf(model_id, gguf, out, src.dtype)
     return out, sha
+
+
+def _assemble_gguf(model_id: str, parts: GgufParts, file: str, cache_dir: Path) -> Path:
+    try:
+        return gguf_parts.assemble(parts, file, cache_dir)
+    except gguf_parts.AssemblyError as e:
+        raise DownloadError(f"{model_id}: {e}") from None
 
 
 def _locate_gguf(model_id: str, src: GgufSource) -> Path:
@@ -345,12 +367,12 @@ def _distribution(model_id: str, package: str) -> importlib.metadata.Distributio
     raise DownloadError(f"{model_id}: package {package!r} is not installed (pip install {package})")
 
 
-def _convert_gguf(model_id: str, gguf: Path, out: Path) -> None:
+def _convert_gguf(model_id: str, gguf: Path, out: Path, dtype: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         started = time.perf_counter()
-        _dequantize_to(model_id, gguf, tmp)
+        _dequantize_to(model_id, gguf, tmp, dtype)
         try:
             tmp.rename(out)
         except OSError:
@@ -361,29 +383,45 @@ def _convert_gguf(model_id: str, gguf: Path, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _dequantize_to(model_id: str, gguf: Path, folder: Path) -> None:
+def _dequantize_to(model_id: str, gguf: Path, folder: Path, dtype_name: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = getattr(torch, dtype_name)
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, ImportError, OSError) as e:
         raise DownloadError(f"{model_id}: transformers cannot load {gguf.name} ({_brief(e)})") from None
+    config = loaded.config
+    # The file decides: an output matrix of its own (output.weight) is a separate lm_head, trained apart from
+    # the embeddings; tying it to them would replace it with the embedding matrix.
+    tied = not _has_output_matrix(gguf)
+    if bool(config.tie_word_embeddings) != tied:
+        holds = "no output.weight (tied to token_embd.weight)" if tied else "output.weight apart from token_embd.weight"
+        raise DownloadError(f"{model_id}: {gguf.name} holds {holds}, but transformers loaded it with "
+                            f"tie_word_embeddings={config.tie_word_embeddings}")
     # A GGUF-loaded model carries a quantization_config and refuses save_pretrained; rebuild it as a
     # plain model that shares the dequantized tensors (meta init + assign: no second copy in memory).
-    config = loaded.config
     del config.quantization_config
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
     plain.load_state_dict(loaded.state_dict(), strict=True, assign=True)
-    plain.tie_weights()
+    if tied:
+        plain.tie_weights()
     plain.generation_config = loaded.generation_config
     plain.save_pretrained(folder)
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         # GGUF metadata sets it; transformers ignores it for BPE and warns on every load.
         tokenizer.clean_up_tokenization_spaces = False
     tokenizer.save_pretrained(folder)
+
+
+def _has_output_matrix(gguf: Path) -> bool:
+    """Whether the GGUF file stores an output matrix (output.weight) of its own, apart from its embeddings."""
+    from gguf import GGUFReader
+
+    return any(t.name == "output.weight" for t in GGUFReader(gguf).tensors)
 
 
 # --- description -------------------------------------------------------------------------------

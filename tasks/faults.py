@@ -1,10 +1,12 @@
-"""Fault injection for the crash-safety tests: QUANTGATE_FAULT makes this process SIGKILL itself at a named point.
+"""Fault injection for the crash-safety tests: QUANTGATE_FAULT makes this process die or wait at a named point.
 
-QUANTGATE_FAULT is a comma-separated list of `point` or `point@n` (die at the n-th time the point is
-reached, default the first). Points: `download`, `quantize` (checkpoint written, not yet renamed into
-place), `evaluate` (lm-eval finished, nothing stored), `benchmark` (measured, nothing stored) and
-`write:<stage>` (a stage's rows and its completion mark inserted, transaction not committed). Unset, a
-point costs one dictionary lookup; nothing in normal operation sets it.
+QUANTGATE_FAULT is a comma-separated list of `point`, `point@n` (die by SIGKILL the n-th time the point
+is reached, default the first) or `point[@n]=pause` (stop there until a signal arrives, so that a test can
+send SIGINT or SIGTERM while that stage is at work; the point and the pid are appended to the file named by
+QUANTGATE_FAULT_PAUSED). Points: `download`, `quantize` (checkpoint written, not yet renamed into place),
+`evaluate` (lm-eval finished, nothing stored), `benchmark` (measured, nothing stored), `measure` (inside the
+engine process, before it measures) and `write:<stage>` (a stage's rows and its completion mark inserted,
+transaction not committed). Unset, a point costs one dictionary lookup; nothing in normal operation sets it.
 """
 
 from __future__ import annotations
@@ -13,33 +15,49 @@ import os
 import signal
 import sys
 import threading
+import time
 
 ENV = "QUANTGATE_FAULT"
+PAUSED_ENV = "QUANTGATE_FAULT_PAUSED"
 _hits: dict[str, int] = {}
 _lock = threading.Lock()
 
 
-def _targets(spec: str) -> dict[str, int]:
+def _targets(spec: str) -> dict[str, tuple[int, str]]:
     out = {}
     for item in (s.strip() for s in spec.split(",")):
         if item:
-            name, _, nth = item.partition("@")
-            out[name] = int(nth or 1)
+            where, _, action = item.partition("=")
+            name, _, nth = where.partition("@")
+            out[name] = (int(nth or 1), action or "kill")
     return out
 
 
 def point(name: str) -> None:
-    """Die here (SIGKILL, no cleanup, no finally blocks) if QUANTGATE_FAULT asks for this point now."""
+    """Die here (SIGKILL, no cleanup, no finally blocks), or wait for a signal, if QUANTGATE_FAULT asks for this point now."""
     spec = os.environ.get(ENV)
     if not spec:
         return
-    nth = _targets(spec).get(name)
-    if nth is None:
+    target = _targets(spec).get(name)
+    if target is None:
         return
+    nth, action = target
     with _lock:
         _hits[name] = _hits.get(name, 0) + 1
         if _hits[name] != nth:
             return
+    if action == "pause":
+        _pause(f"{name}@{nth}")
+        return
     print(f"quantgate fault injection: SIGKILL at {name}@{nth} (pid {os.getpid()})", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause(label: str) -> None:
+    print(f"quantgate fault injection: paused at {label} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    if path := os.environ.get(PAUSED_ENV):
+        with open(path, "a") as f:
+            f.write(f"{label} {os.getpid()}\n")
+    while True:  # a signal handler's exception, or the signal's default action, ends the wait
+        time.sleep(0.1)

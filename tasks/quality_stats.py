@@ -36,6 +36,16 @@ class RecoveryInterval:
     confidence: float
     method: Literal["bootstrap", "delta"]
     n_items: int | None = None
+    # Standard error of recovery: linearised over the paired items (bootstrap), or the delta method's.
+    se: float | None = None
+
+    @property
+    def min_detectable_drop(self) -> float | None:
+        """The interval's half-width, z·se: a variant whose true recovery is 1 − this has an interval that
+        excludes 1 about half the time; smaller losses are not told apart from none on these items. Read against 1 − threshold: when it is larger, not even a lossless variant can pass.
+        Taken from the paired spread the verdict itself uses, not from the base's variance and an assumed
+        flip rate, which would differ from the spread each quantization method actually produces."""
+        return None if self.se is None else z_score(self.confidence) * self.se
 
 
 def aggregation(metric: str) -> Aggregation:
@@ -55,6 +65,48 @@ def _finish(agg: Aggregation, ratio: np.ndarray) -> np.ndarray:
     if agg in ("weighted_perplexity", "perplexity"):
         return np.exp(-ratio)
     return ratio
+
+
+def z_score(confidence: float) -> float:
+    """The normal quantile of a two-sided interval at `confidence`."""
+    return NormalDist().inv_cdf(1 - (1 - confidence) / 2)
+
+
+def _slope(agg: Aggregation, ratio: float) -> float:
+    """d f(R) / dR of `_finish`."""
+    if agg == "bits_per_byte":
+        return -1 / math.log(2)
+    if agg in ("weighted_perplexity", "perplexity"):
+        return -math.exp(-ratio)
+    return 1.0
+
+
+def _linearised_se(agg: Aggregation, higher_is_better: bool, bv: np.ndarray, bw: np.ndarray, vv: np.ndarray,
+                   vw: np.ndarray) -> float | None:
+    """se of recovery = g(f(R_base), f(R_variant)) from each document's influence on both ratios, paired:
+    a document that both sides get wrong moves neither ratio's difference, which is what pairing buys."""
+    n = len(bv)
+    rb, rv = bv.sum() / bw.sum(), vv.sum() / vw.sum()
+    fb, fv = float(_finish(agg, np.asarray(rb))), float(_finish(agg, np.asarray(rv)))
+    num, den = (fv, fb) if higher_is_better else (fb, fv)
+    if n < 2 or den == 0:
+        return None
+    d_num, d_den = 1 / den, -num / den**2
+    d_fb, d_fv = (d_den, d_num) if higher_is_better else (d_num, d_den)
+    influence = (d_fb * _slope(agg, rb) * (bv - rb * bw) / bw.sum()
+                 + d_fv * _slope(agg, rv) * (vv - rv * vw) / vw.sum())
+    return _opt(math.sqrt(float((influence**2).sum()) * n / (n - 1)))
+
+
+def items_to_decide(n_items: int, recovery: float, lower: float, upper: float, threshold: float) -> int | None:
+    """Items at which an interval that spans `threshold` would stop spanning it, with the same paired spread:
+    the side of the interval facing the threshold shrinks like 1/√n until it equals |recovery − threshold|.
+    None where the recovery sits on the threshold (no number of items decides it)."""
+    gap = abs(recovery - threshold)
+    side = recovery - lower if recovery >= threshold else upper - recovery
+    if gap == 0:
+        return None
+    return math.ceil(n_items * (side / gap) ** 2)
 
 
 def _recovery(base: np.ndarray, variant: np.ndarray, higher_is_better: bool) -> np.ndarray:
@@ -106,7 +158,8 @@ def paired_bootstrap(
     dist = np.concatenate(draws)
     tail = (1 - confidence) / 2
     lower, upper = (np.nanquantile(dist, [tail, 1 - tail]) if np.isfinite(dist).any() else (np.nan, np.nan))
-    return RecoveryInterval(_opt(point), _opt(lower), _opt(upper), confidence, "bootstrap", n)
+    se = _linearised_se(agg, higher_is_better, bv, bw, vv, vw)
+    return RecoveryInterval(_opt(point), _opt(lower), _opt(upper), confidence, "bootstrap", n, se)
 
 
 def sample_interval(
@@ -140,8 +193,8 @@ def delta_interval(
     num, den = (variant_value, base_value) if higher_is_better else (base_value, variant_value)
     r = float(num / den)
     se = abs(r) * math.hypot(base_stderr / base_value, variant_stderr / variant_value)
-    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
-    return RecoveryInterval(r, r - z * se, r + z * se, confidence, "delta")
+    z = z_score(confidence)
+    return RecoveryInterval(r, r - z * se, r + z * se, confidence, "delta", se=se)
 
 
 def _opt(x: float | np.ndarray) -> float | None:

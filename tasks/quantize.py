@@ -27,10 +27,10 @@ from prefect import task
 from safetensors import safe_open
 
 from quantgate.catalog.schema import CalibrationSpec, VariantSpec
-from quantgate.tasks import faults
+from quantgate.tasks import faults, launch
 from quantgate.tasks.calibration import load_calibration
 from quantgate.tasks.errors import one_line
-from quantgate.tasks.records import ModelArtifact, VariantArtifact
+from quantgate.tasks.records import CalibrationSamples, ModelArtifact, VariantArtifact
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,18 @@ def variant_from_row(row: dict[str, Any], spec: VariantSpec) -> VariantArtifact 
     )
 
 
+def quantize_measured(model_path: Path, spec: VariantSpec, samples: CalibrationSamples | None, out: Path) -> int:
+    """llm-compressor's build of `spec` into `out`; returns the peak memory it took (GPU allocator, else the
+    process's resident set: on a CPU that is the process's peak so far, not this build's alone)."""
+    from quantgate.tasks.quantizers.llmcompressor import quantize
+
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    quantize(model_path, spec, samples, out)
+    return _peak_memory_bytes(on_gpu)
+
+
 def _peak_memory_bytes(on_gpu: bool) -> int:
     if on_gpu:
         return torch.cuda.max_memory_allocated()
@@ -249,13 +261,14 @@ def build_variant(
     _sweep_orphans(out_root, uid)
     tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.{_owner()}.", suffix=".tmp", dir=out_root))
     on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
-        from quantgate.tasks.quantizers.llmcompressor import quantize
-
-        quantize(Path(model.path), spec, samples, tmp)
+        if on_gpu:
+            # A process of its own: builds of one model then run side by side on the GPU (llm-compressor keeps
+            # one global session per process), and each build's peak memory is its own.
+            peak = launch.on_gpus(None, None, quantize_measured, Path(model.path), spec, samples, tmp)
+        else:
+            peak = quantize_measured(Path(model.path), spec, samples, tmp)
         faults.point("quantize")
         bad = _nonfinite_tensor(tmp)
         error = None if bad is None else f"saved weights contain NaN/Inf in {bad}"
@@ -271,7 +284,7 @@ def build_variant(
         built,
         size_bytes=weights_bytes(tmp),
         build_seconds=time.perf_counter() - start,
-        peak_memory_bytes=_peak_memory_bytes(on_gpu),
+        peak_memory_bytes=peak,
     )
     return _publish(built, tmp, final, spec)
 

@@ -162,12 +162,41 @@ class SpeedResult:
         return asdict(self)
 
 
+Verdict = Literal["accept", "reject", "inconclusive"]
+CheckKind = Literal["build", "quality", "speed", "serving", "size"]
+# not_measured: no evidence either way (an engine not run, an optional gate without a recovery).
+CheckOutcome = Literal["pass", "fail", "inconclusive", "not_measured"]
+
+
+@dataclass(frozen=True)
+class DecisionCheck:
+    """One check of a decision: what was compared with what, and how it came out."""
+
+    kind: CheckKind
+    name: str
+    outcome: CheckOutcome
+    note: str
+    task: str | None = None
+    metric: str | None = None
+    value: float | None = None
+    lower: float | None = None
+    upper: float | None = None
+    threshold: float | None = None
+    # Quality only: the smallest recovery drop these items resolve at the policy's confidence, the items
+    # judged, and (inconclusive) how many items with the same paired spread would decide it.
+    min_detectable_drop: float | None = None
+    items: int | None = None
+    items_to_decide: int | None = None
+    # The rest of the evidence, e.g. the interval's method, a flip rate, a serving check's tuned point.
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Decision:
     variant_uid: str
-    decision: Literal["accept", "reject"]
+    decision: Verdict
     reason: str
-    checks: list[dict[str, Any]]
+    checks: list[DecisionCheck]
     policy_hash: str
     quality_recovery: float | None
     speedup: float | None

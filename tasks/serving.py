@@ -797,25 +797,29 @@ def serve_scenario(
         except ServingError as e:
             reason = _with_cause(str(e), log)
             if not (looks_like_oom(reason) or looks_like_oom(_read(log))) or time.monotonic() >= deadline:
-                return result("failed", reason, used, details={"attempts": attempts, "log": str(log)}), []
+                return result("failed", reason, used, details={"attempts": attempts, "log": str(log),
+                                                               "engine_starts": len(attempts) + 1}), []
             attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
                              "max_model_len": used.max_model_len, "error": reason})
     else:
-        return result("failed", attempts[-1]["error"], used, details={"attempts": attempts}), []
+        return result("failed", attempts[-1]["error"], used,
+                      details={"attempts": attempts, "engine_starts": len(attempts)}), []
 
     summaries = [{"load": load.label, **summarize(load.records, load.duration_s, slo)} for load in loads]
     ok = [r for load in loads for r in load.records if r.success]
     if not loads:
-        return result("failed", "the time was up before the first load", used), loads
+        return result("failed", "the time was up before the first load", used,
+                      details={"engine_starts": len(attempts) + 1}), loads
     if not ok:
         first_error = next((r.error for load in loads for r in load.records if r.error), None)
-        return result("failed", f"no request succeeded: {first_error}", used, repetitions=summaries), loads
+        return result("failed", f"no request succeeded: {first_error}", used, repetitions=summaries,
+                      details={"engine_starts": len(attempts) + 1}), loads
     best = max(summaries, key=lambda s: s["output_tokens_per_s"])
     energies = [load.energy_j for load in loads]
     out_tokens = sum(r.output_tokens for r in ok)
     kv_tokens = kv_cache_tokens_from_log(log)
     config = text_config(model_path)
-    details: dict[str, Any] = {"best_load": best["load"], "log": str(log)}
+    details: dict[str, Any] = {"best_load": best["load"], "log": str(log), "engine_starts": len(attempts) + 1}
     if extra_args or env:
         details["serve_args"] = list(extra_args)
         details["serve_env"] = dict(env or {})
@@ -897,6 +901,34 @@ def sweep_settings(point: dict[str, Any]) -> tuple[dict[str, Any], list[str], di
     return options, args, env
 
 
+def moot_point(point: dict[str, Any], scenario: ScenarioSpec, defaults: SpeedResult) -> str | None:
+    """Why a sweep point cannot beat vLLM's defaults, as measured at the sweep's first point, or None.
+
+    When the defaults' KV cache holds every request of the highest load at once, nothing is preempted or
+    queued for cache room: an FP8 KV cache only adds room nobody needs, and a lower max_num_seqs can only
+    queue requests the defaults ran at once, which lowers goodput unless the defaults missed the SLO somewhere
+    (a smaller batch decodes each sequence faster). A cap at or above the highest concurrency changes nothing.
+    """
+    if defaults.status != "ok" or not defaults.kv_cache_tokens:
+        return None
+    sizes = scenario.load_sizes()
+    in_flight = max(n if rate is not None else min(c or n, n) for _, c, rate, n in sizes)
+    demand = in_flight * (scenario.input_len + scenario.output_len)
+    kv_whole = defaults.kv_cache_tokens >= demand
+    room = f"the defaults' KV cache ({defaults.kv_cache_tokens:,} tokens) held the highest load whole ({demand:,})"
+    if "max_num_seqs" in point and int(point["max_num_seqs"]) >= in_flight:
+        return f"max_num_seqs={point['max_num_seqs']} is at or above the most requests in flight ({in_flight})"
+    if set(point) - {"kv_cache_dtype", "max_num_seqs"} or not kv_whole:
+        return None
+    if "max_num_seqs" in point:
+        missed = [r["load"] for r in defaults.repetitions or []
+                  if r.get("good_requests") is not None and r["good_requests"] < r["completed"]]
+        if missed:
+            return None
+        return f"{room} and met the SLO at every load"
+    return room
+
+
 def sweep_row_name(scenario_name: str, point: dict[str, Any]) -> str:
     from quantgate.catalog.schema import sweep_label
 
@@ -944,6 +976,9 @@ def serve_sweep(
         elif not runs[i]:
             skip = (f"sweep: {sweep_label(point)} applies to weight-only quantized layers (W4A16-style);"
                     " this checkpoint has none")
+        elif out and (why := moot_point(point, plain, out[0][0])):
+            skip = f"sweep: {sweep_label(point)} cannot change the outcome: {why}"
+            runs[i] = False
         if skip:
             config = {**plain.model_dump(mode="json"), "sweep": tag}
             out.append((SpeedResult("vllm", name, "skipped", skip, config), []))
@@ -1103,7 +1138,7 @@ def bench_scenario(
         total_tokens_per_s=res["total_tokens_per_s"],
         requests_per_s=res["requests_per_s"],
         versions=_vllm_versions(),
-        details={"command": res["command"], "elapsed_s": res["elapsed_s"],
+        details={"command": res["command"], "elapsed_s": res["elapsed_s"], "engine_starts": len(attempts) + 1,
                  "total_num_tokens": res["total_num_tokens"], **({"attempts": attempts} if attempts else {})},
     )
 
@@ -1133,3 +1168,4 @@ def _vllm_versions() -> dict[str, str]:
 
 
 serving_task = task(serve_variant, name="serve", tags=["benchmark"], cache_policy=NO_CACHE)
+bench_task = task(bench_scenario, name="vllm-bench", tags=["benchmark"], cache_policy=NO_CACHE)

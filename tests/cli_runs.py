@@ -50,3 +50,9 @@ def checksums(contents: dict[str, list[tuple]]) -> dict[str, str]:
 
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def run_log(result: subprocess.CompletedProcess) -> str:
+    """The log file of a `quantgate run` (its path is the first line on stderr), empty if it printed none."""
+    path = next((line.removeprefix("log: ") for line in result.stderr.splitlines() if line.startswith("log: ")), None)
+    return Path(path).read_text(errors="replace") if path and Path(path).exists() else ""

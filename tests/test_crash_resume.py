@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.warehouse import store
-from tests.cli_runs import run_cli, tables
+from tests.cli_runs import run_cli, run_log, tables
 from tests.shared_data import TINY_MODEL
 
 pytestmark = pytest.mark.slow
@@ -63,9 +63,10 @@ def setup(tmp_path_factory, prefect_api):
     cat = catalog(tmp, TINY_MODEL)
     wh, work = tmp / "w.duckdb", tmp / "work"
 
-    def run(fault: str | None):
+    def run(fault: str | None, *options: str):
         env = {"QUANTGATE_FAULT": fault} if fault else {"QUANTGATE_FAULT": ""}
-        return run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(work)], prefect_api, env)
+        return run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(work), *options], prefect_api,
+                       env)
 
     return wh, work, run
 
@@ -90,7 +91,7 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     def crash(fault: str) -> dict:
         result = run(fault)
         assert result.returncode == -9, result.stderr[-3000:]
-        assert f"SIGKILL at {fault if '@' in fault else fault + '@1'}" in result.stderr
+        assert f"SIGKILL at {fault if '@' in fault else fault + '@1'}" in run_log(result)
         contents = tables(wh)
         if history:
             _kept(history[-1], contents)
@@ -108,7 +109,7 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     orphans = [p.name for p in variants.iterdir() if p.name.endswith(".tmp")]
     assert len(orphans) == 1 and not [p for p in variants.iterdir() if not p.name.startswith(".")]
 
-    # 3. Evaluate: the base's evaluation is committed, the variant's is computed and lost.
+    # 3. Evaluate: the variant's evaluation (right after its build) is committed, the base's is computed and lost.
     after = crash("evaluate@2")
     assert [p.name for p in variants.iterdir() if p.name.endswith(".tmp")] == []  # the orphan was swept
     built = {r[2]: r[14] for r in after["variants"]}  # name -> status
@@ -129,7 +130,7 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     # 6. The rerun that finishes.
     result = run(None)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming run" in result.stderr + result.stdout
+    assert "resuming run" in run_log(result)
     final = tables(wh)
     _kept(history[-1], final)
     _kept(history[0], final)
@@ -164,20 +165,36 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     assert folders == [variant_uid(final)] and (work / "variants" / folders[0] / ".quantgate-variant.json").is_file()
 
 
-def test_a_fresh_run_after_a_finished_one_measures_speed_anew(setup):
-    """Only unfinished runs are resumed: the nightly run after a successful one is a new run, and
-    measures speed again (builds and quality of the same config are reused as before)."""
+def test_a_fresh_run_after_a_finished_one_reuses_speed_unless_remeasured(setup):
+    """Only unfinished runs are resumed: the run after a successful one is a new run. With nothing changed
+    it reuses what is stored, speed rows included, and says so; --remeasure measures speed again."""
     wh, _, run = setup
     before = tables(wh)
     result = run(None)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming run" not in result.stderr + result.stdout
+    output = run_log(result)
+    assert "resuming run" not in output and output.count("speed unchanged since run") == 2  # base and the variant
     after = tables(wh)
     _kept(before, after)
     with store.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM runs WHERE status = 'completed'").fetchone()[0] == 2
-        assert con.execute("SELECT count(DISTINCT run_id), count(*) FROM speed_results").fetchone() == (2, 4)
+        assert con.execute("SELECT count(DISTINCT run_id), count(*) FROM speed_results").fetchone() == (1, 2)
         assert con.execute("SELECT count(*) FROM quality_evals").fetchone()[0] == 3
+        latest = con.execute("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 1").fetchone()[0]
+        # The new run's views see the reused rows under its own id: its decision has its speedup.
+        assert con.execute("SELECT count(*) FROM variant_speedup WHERE run_id = ? AND speedup IS NOT NULL",
+                           [latest]).fetchone()[0] == 1
+        assert con.execute("SELECT sum(engine_starts) FROM stage_times WHERE run_id = ? AND stage = 'benchmark'",
+                           [latest]).fetchone()[0] == 0
+
+    result = run(None, "--remeasure")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "speed unchanged" not in result.stderr + result.stdout
+    with store.session(wh, read_only=True) as con:
+        assert con.execute("SELECT count(DISTINCT run_id), count(*) FROM speed_results").fetchone() == (2, 4)
+        latest = con.execute("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 1").fetchone()[0]
+        assert con.execute("SELECT sum(engine_starts) FROM stage_times WHERE run_id = ? AND stage = 'benchmark'",
+                           [latest]).fetchone()[0] == 2  # one Transformers session per checkpoint
 
 
 def base_uid(contents: dict) -> str:

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from quantgate.catalog.schema import Policy
@@ -44,7 +46,7 @@ def test_accepts_when_every_gate_passes():
     assert d.decision == "accept"
     assert d.quality_recovery == pytest.approx(0.98) and d.speedup == pytest.approx(1.4) and d.size_ratio == pytest.approx(0.3)
     assert d.quality_lower_bound is not None and 0.95 <= d.quality_lower_bound < 0.98
-    assert "ppl/word_perplexity recovery 0.98 (95% CI lower bound 0.9" in d.reason and ">= 0.95" in d.reason
+    assert "ppl/word_perplexity recovery 0.98 (95% CI [0.9" in d.reason and "]) >= 0.95" in d.reason
     assert "speedup 1.40x >= 1.0x" in d.reason
     assert d.policy_hash == POLICY.hash
 
@@ -52,7 +54,8 @@ def test_accepts_when_every_gate_passes():
 def test_rejects_and_names_the_failing_metric_first():
     d = decide(VARIANT, 100, rec(0.40), speed(), POLICY)
     assert d.decision == "reject"
-    assert d.reason.startswith("reject: ppl/word_perplexity recovery 0.4 (95% CI lower bound 0.39")
+    assert d.reason.startswith("reject: ppl/word_perplexity recovery 0.4 (95% CI [0.39")
+    assert "]) < 0.95" in d.reason and d.checks[0].outcome == "fail" and d.checks[0].upper < 0.95
 
 
 def test_unmeasured_speed_is_said_not_invented_and_size_still_counts():
@@ -82,19 +85,24 @@ def test_lower_bound_from_paired_items_accepts_only_when_it_clears_the_gate():
     assert d.decision == "accept", d.reason
     assert 0.95 < d.quality_lower_bound < d.quality_recovery < 1
     assert d.flip_rate == pytest.approx(0.005)
-    assert d.checks[0]["interval"] == "bootstrap" and d.checks[0]["n_items"] == 2000
+    assert d.checks[0].detail["interval"] == "bootstrap" and d.checks[0].items == 2000
 
-    # 60 items: recovery 0.967 clears 0.95, but one item more or less moves it by 3%: the lower bound does not.
+    # 60 items: recovery 0.967 clears 0.95, but one item more or less moves it by 3%: the interval spans the
+    # threshold, so the data decides neither way.
     small_base = [1] * 30 + [0] * 30
     small_var = [0] + [1] * 29 + [0] * 30
     recovery, samples, flips = piqa(small_base, small_var)
     d = decide(VARIANT, 100, recovery, [], ACC_POLICY, samples, flips)
     assert recovery[0]["recovery"] == pytest.approx(29 / 30)
-    assert d.decision == "reject"
-    lb = d.quality_lower_bound
-    assert lb < 0.95
-    assert d.reason.startswith(f"reject: qg_piqa/acc recovery 0.9667 (95% CI lower bound {lb:.4g}) < 0.95"), d.reason
-    assert "1.7% of 60 items flipped" in d.reason
+    assert d.decision == "inconclusive"
+    (check,) = [c for c in d.checks if c.kind == "quality"]
+    assert check.outcome == "inconclusive" and check.lower < 0.95 <= check.upper
+    assert d.reason.startswith(f"inconclusive: qg_piqa/acc recovery 0.9667 (95% CI [{check.lower:.4g}, {check.upper:.4g}])"
+                               " spans 0.95 (variant 0.4833 vs base 0.5, 1.7% of 60 items flipped"), d.reason
+    assert check.items == 60 and check.items_to_decide > 60
+    assert check.items_to_decide == math.ceil(60 * ((29 / 30 - check.lower) / (29 / 30 - 0.95)) ** 2)
+    assert d.reason.endswith(f": inconclusive; ~{round(check.items_to_decide, -2):,} items would decide (have 60);"
+                             " size 0.30x base <= 0.75x")
 
     # The same evidence under a point-estimate policy passes, and the interval is still reported.
     lenient = ACC_POLICY.model_copy(update={"use_lower_bound": False})
@@ -104,11 +112,13 @@ def test_lower_bound_from_paired_items_accepts_only_when_it_clears_the_gate():
 
 def test_without_items_the_reported_stderrs_bound_recovery_and_without_either_nothing_is_accepted():
     loose = decide(VARIANT, 100, rec(0.98, stderr=0.2), speed(), POLICY)
-    assert loose.decision == "reject" and loose.checks[0]["interval"] == "delta"
-    assert loose.quality_lower_bound < 0.95
+    assert loose.decision == "inconclusive" and loose.checks[0].detail["interval"] == "delta"
+    assert loose.quality_lower_bound < 0.95 < loose.checks[0].upper
+    # No interval at all: neither bound is known, so the check is not decided (and never accepted).
     unknown = decide(VARIANT, 100, rec(0.98, stderr=None), speed(), POLICY)
-    assert unknown.decision == "reject" and unknown.quality_lower_bound is None
-    assert "recovery 0.98 without a confidence interval" in unknown.reason
+    assert unknown.decision == "inconclusive" and unknown.quality_lower_bound is None
+    assert ("recovery 0.98 without a confidence interval (no per-item results or stderr): inconclusive"
+            in unknown.reason) and unknown.checks[0].items_to_decide is None
 
 
 def test_an_optional_long_context_gate_is_noted_where_unmeasurable_and_gates_where_measured():
@@ -152,9 +162,10 @@ def serving(goodput=24.0, base=16.0, point="kernel=MarlinLinearKernel", status="
 def test_the_serving_gate_judges_the_tuned_config_and_keeps_it_in_the_checks():
     d = decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY, serving=serving())
     assert d.decision == "accept"
-    (check,) = [c for c in d.checks if c["check"] == "serving srv"]
-    assert check["passed"] and check["value"] == pytest.approx(1.5) and check["point"] == "kernel=MarlinLinearKernel"
-    assert check["settings"] == {"kernel": "MarlinLinearKernel"} and check["load"] == "c=32"
+    (check,) = [c for c in d.checks if c.name == "serving srv"]
+    assert (check.kind, check.outcome) == ("serving", "pass") and check.value == pytest.approx(1.5)
+    assert check.detail["point"] == "kernel=MarlinLinearKernel"
+    assert check.detail["settings"] == {"kernel": "MarlinLinearKernel"} and check.detail["load"] == "c=32"
     assert ("serving srv goodput at the SLO 1.50x base >= 0.95x (24 req/s at c=32, tuned config"
             " kernel=MarlinLinearKernel; base 16 req/s (default))") in d.reason
 
@@ -171,4 +182,100 @@ def test_unmeasured_serving_is_noted_and_a_base_without_goodput_is_no_bar():
     beats = decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY, serving=serving(goodput=3.0, base=0.0))
     assert beats.decision == "accept" and "the base meets it on no load" in beats.reason
     neither = decide(VARIANT, 100, rec(0.98), [], SERVING_POLICY, serving=serving(goodput=0.0, base=0.0))
-    assert [c["passed"] for c in neither.checks if c["check"] == "serving srv"] == [None]
+    assert [c.outcome for c in neither.checks if c.name == "serving srv"] == ["not_measured"]
+
+
+def loses(base, k):
+    """The first k right answers of `base` turned wrong."""
+    out, lost = list(base), 0
+    for i, x in enumerate(out):
+        if x == 1 and lost < k:
+            out[i], lost = 0, lost + 1
+    return out
+
+
+def test_three_verdicts_from_the_interval_against_the_threshold():
+    base = [1, 0, 1, 1, 0, 1, 1, 0, 1, 1] * 20  # 200 items, 140 right
+    verdicts = {}
+    for lost in (0, 5, 40):
+        recovery, samples, flips = piqa(base, loses(base, lost))
+        d = decide(VARIANT, 100, recovery, [], ACC_POLICY, samples, flips)
+        (check,) = [c for c in d.checks if c.kind == "quality"]
+        verdicts[lost] = (d.decision, check.outcome)
+        assert check.value == pytest.approx((140 - lost) / 140) and check.threshold == 0.95 and check.items == 200
+        if check.outcome == "inconclusive":
+            assert check.lower < 0.95 <= check.upper and check.items_to_decide > 200
+        else:
+            assert check.items_to_decide is None
+            assert check.lower >= 0.95 if check.outcome == "pass" else check.upper < 0.95
+    # Lossless: the interval is [1, 1]. 5 of 140 lost (0.964): spans 0.95. 40 lost (0.714): wholly below.
+    assert verdicts == {0: ("accept", "pass"), 5: ("inconclusive", "inconclusive"), 40: ("reject", "fail")}
+
+    # On the point estimate the same evidence is decided: no inconclusive.
+    lenient = ACC_POLICY.model_copy(update={"use_lower_bound": False})
+    recovery, samples, flips = piqa(base, loses(base, 5))
+    assert decide(VARIANT, 100, recovery, [], lenient, samples, flips).decision == "accept"
+
+
+def test_a_failure_outranks_an_inconclusive_check_and_the_reason_orders_them():
+    base = [1, 0, 1, 1, 0, 1, 1, 0, 1, 1] * 20
+    recovery, samples, flips = piqa(base, loses(base, 5))
+    policy = Policy.model_validate({**ACC_POLICY.model_dump(), "quality": [
+        {"task": "ppl", "metric": "word_perplexity", "min_recovery": 0.95, "higher_is_better": False},
+        *[g.model_dump() for g in ACC_POLICY.quality]]})
+    both = recovery + rec(0.99)
+    d = decide(VARIANT, 100, both, [], policy, samples, flips)
+    assert d.decision == "inconclusive"
+    assert [c.outcome for c in d.checks] == ["pass", "inconclusive", "pass"]  # policy order: ppl, piqa, size
+    assert d.reason.startswith("inconclusive: qg_piqa/acc") and d.reason.index("ppl/word_perplexity") < d.reason.index("size")
+    big = decide(VARIANT | {"size_bytes": 90}, 100, both, [], policy, samples, flips)
+    assert big.decision == "reject"
+    notes = big.reason.removeprefix("reject: ").split("; ")
+    assert notes[0].startswith("size 0.90x base > 0.75x") and notes[1].startswith("qg_piqa/acc recovery 0.9643")
+    assert notes[-1].startswith("ppl/word_perplexity recovery 0.99")
+
+
+def test_items_to_decide_is_where_the_same_spread_stops_spanning_the_threshold():
+    # Tiling the same items m times keeps their paired spread and shrinks the interval like 1/sqrt(m):
+    # below the predicted count the check stays inconclusive, above it the check passes.
+    base = [1, 0, 1, 1, 0, 1, 1, 0, 1, 1] * 20
+    variant = loses(base, 5)
+    recovery, samples, flips = piqa(base, variant)
+    (check,) = [c for c in decide(VARIANT, 100, recovery, [], ACC_POLICY, samples, flips).checks if c.kind == "quality"]
+    ratio = check.items_to_decide / 200
+    assert 3 < ratio < 8
+
+    def outcome(tiles):
+        recovery, samples, flips = piqa(base * tiles, variant * tiles)
+        return next(c for c in decide(VARIANT, 100, recovery, [], ACC_POLICY, samples, flips).checks
+                    if c.kind == "quality").outcome
+
+    assert outcome(math.floor(ratio * 0.8)) == "inconclusive"
+    assert outcome(math.ceil(ratio * 1.2)) == "pass"
+
+
+def test_min_detectable_drop_is_the_interval_half_width_and_shrinks_with_items():
+    base = [1, 0, 1, 1, 0, 1, 1, 0, 1, 1] * 20
+    variant = loses(base, 5)
+    drops = []
+    for tiles in (1, 4):
+        recovery, samples, flips = piqa(base * tiles, variant * tiles)
+        (check,) = [c for c in decide(VARIANT, 100, recovery, [], ACC_POLICY, samples, flips).checks if c.kind == "quality"]
+        assert check.min_detectable_drop == pytest.approx((check.upper - check.lower) / 2, rel=0.25)
+        drops.append(check.min_detectable_drop)
+    assert drops[1] == pytest.approx(drops[0] / 2, rel=0.01)  # 4x the items, half the drop
+
+
+def test_a_gate_with_a_filter_judges_that_filter_of_the_metric():
+    """GSM8K reports exact match twice (strict-match: the '#### N' line; flexible-extract: any last number): a
+    gate naming strict-match judges that one, whatever order the rows come in."""
+    def row(filter_, recovery):
+        return {"task": "gsm", "metric": "exact_match", "filter": filter_, "recovery": recovery, "variant_value": 0.6 * recovery,
+                "base_value": 0.6, "variant_stderr": 0.001, "base_stderr": 0.001}
+
+    policy = Policy.model_validate({"version": 1, "max_size_ratio": 0.75, "quality": [
+        {"task": "gsm", "metric": "exact_match", "filter": "strict-match", "min_recovery": 0.95, "higher_is_better": True}]})
+    rows = [row("flexible-extract", 1.0), row("strict-match", 0.5)]
+    d = decide(VARIANT, 100, rows, [], policy)
+    assert d.decision == "reject" and d.checks[0].detail["filter"] == "strict-match"
+    assert decide(VARIANT, 100, rows[::-1], [], policy).checks[0].value == pytest.approx(0.5)

@@ -18,6 +18,7 @@ from huggingface_hub import constants as hf_constants
 from quantgate.catalog.schema import GgufSource, HubSource, LocalSource, ModelSpec
 from quantgate.tasks import download
 from quantgate.tasks.download import HASH_CACHE, DownloadError, fetch_model
+from tests.tiny_gguf import write_stories_gguf
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -48,7 +49,7 @@ def model_copy(tiny_model: Path, tmp_path: Path) -> Path:
 def test_local_folder_describes_the_model_and_hash_is_stable(tiny_model: Path, tmp_path: Path) -> None:
     a = fetch_model(spec(LocalSource(path=str(tiny_model)), id="stories"), tmp_path / "cache")
     b = fetch_model(spec(LocalSource(path=str(tiny_model)), id="stories"), tmp_path / "cache2")
-    assert a.path == str(tiny_model)  # used in place, not copied
+    assert Path(a.path) == tiny_model.resolve()  # used in place (links resolved), not copied
     assert (a.source, a.revision, a.architecture) == ("local", None, "LlamaForCausalLM")
     assert a.sha == b.sha and len(a.sha) == 64
     # 5 layers of hidden 64 / MLP 256 plus a tied 512x64 embedding
@@ -361,6 +362,36 @@ def test_gguf_package_without_that_file(tmp_path: Path) -> None:
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in one_line(e)
 
 
+def test_gguf_is_stored_in_its_dtype_with_ties_as_the_file_has_them(tiny_model: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    write_stories_gguf(tiny_model, tmp_path / "stories.gguf")  # no output.weight: tied
+    arts = {dtype: fetch_model(spec(GgufSource(path=str(tmp_path), file="stories.gguf", dtype=dtype)), tmp_path / "c")
+            for dtype in ("bfloat16", "float32")}
+    assert arts["bfloat16"].sha != arts["float32"].sha and arts["bfloat16"].path != arts["float32"].path
+    for dtype, stored in (("bfloat16", "BF16"), ("float32", "F32")):
+        art = arts[dtype]
+        config = json.loads((Path(art.path) / "config.json").read_text())
+        assert (config["dtype"], config["tie_word_embeddings"]) == (dtype, True)
+        with safe_open(str(Path(art.path) / "model.safetensors"), framework="pt") as f:
+            assert "lm_head.weight" not in f.keys()
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {stored}
+        assert art.num_parameters == 340_672
+    assert abs(arts["bfloat16"].size_bytes - 2 * 340_672) < 20_000
+    assert abs(arts["float32"].size_bytes - 4 * 340_672) < 20_000
+
+
+def test_gguf_checkpoint_identity_follows_the_converter_version(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_stories_gguf(tiny_model, tmp_path / "stories.gguf")
+    source = GgufSource(path=str(tmp_path), file="stories.gguf")
+    now = download.gguf_sha("m", source, tmp_path)
+    assert now != hashlib.sha256((tmp_path / "stories.gguf").read_bytes()).hexdigest()
+    monkeypatch.setattr(download, "GGUF_CONVERTER", download.GGUF_CONVERTER - 1)  # e.g. 1: float32, always tied
+    assert download.gguf_sha("m", source, tmp_path) != now
+
+
 @pytest.mark.slow
 def test_gguf_from_package_converts_once_and_answers(tmp_path: Path) -> None:
     import torch
@@ -372,10 +403,12 @@ def test_gguf_from_package_converts_once_and_answers(tmp_path: Path) -> None:
     art = fetch_model(spec(source, id="smollm2-135m"), tmp_path)
     converted_s = time.perf_counter() - started
     assert (art.source, art.architecture, art.revision) == ("gguf", "LlamaForCausalLM", None)
-    assert art.sha == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert art.sha == download.gguf_sha("smollm2-135m", source, tmp_path) != hashlib.sha256(gguf.read_bytes()).hexdigest()
     assert Path(art.path).parent == tmp_path / "gguf" and Path(art.path).name.endswith(art.sha[:12])
-    assert 130e6 < art.num_parameters < 140e6  # fp32 with tied embeddings
-    assert art.size_bytes > 4 * 130e6
+    assert 130e6 < art.num_parameters < 140e6  # embeddings tied, as the file has them (no output.weight)
+    assert abs(art.size_bytes - 2 * art.num_parameters) < 1e6  # stored in bfloat16
+    config = json.loads((Path(art.path) / "config.json").read_text())
+    assert (config["dtype"], config["tie_word_embeddings"]) == ("bfloat16", True)
     assert [p.name for p in (tmp_path / "gguf").iterdir()] == [Path(art.path).name]  # no temp folder left
 
     started = time.perf_counter()

@@ -16,7 +16,8 @@ from prefect.testing.utilities import prefect_test_harness
 
 from tests.shapes import TINY_QWEN
 from quantgate.catalog.schema import ScenarioSpec, SuiteStep, load_gpu_suite
-from quantgate.flows.gpu_suite import Clock, GpuSuiteError, StepOutcome, gpu_suite, on_gpus, run_steps, select_steps
+from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps, select_steps
+from quantgate.tasks.launch import LaunchError, on_gpus
 from quantgate.tasks.benchmark import (
     BenchmarkError,
     engine_options,
@@ -121,9 +122,9 @@ def test_a_step_on_one_gpu_runs_in_a_process_that_sees_only_that_gpu(monkeypatch
 
     assert on_gpus("1", 60, os.getenv, "CUDA_VISIBLE_DEVICES") == "1"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # this process keeps its own view
-    with pytest.raises(GpuSuiteError, match=r"^GPU 1: ValueError: invalid literal"):
+    with pytest.raises(LaunchError, match=r"^GPU 1: ValueError: invalid literal"):
         on_gpus("1", 60, int, "x")
-    with pytest.raises(GpuSuiteError, match=r"GPU 1: the step's process ended without an answer \(exit code 3\)"):
+    with pytest.raises(LaunchError, match=r"GPU 1: the process ended without an answer \(exit code 3\)"):
         on_gpus("1", 60, os._exit, 3)
 
 

@@ -148,22 +148,75 @@ def test_regressions_flag_what_moved_beyond_noise_and_nothing_else(con):
                                       ("recipe", "awq", "qg_piqa/acc recovery")])
 
 
-def test_decisions_from_paired_items_reach_the_scorecard(con):
-    recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = 'r2'")
-    samples = store.paired_samples(con, "r2", [(g.task, g.metric) for g in POLICY.quality])
-    flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = 'r2'")
-    assert {(s["task"], s["metric"]) for s in samples} == {("qg_piqa", "acc"), ("qg_simple_stories", "bits_per_byte")}
-    assert {s["base_weight"] for s in samples if s["metric"] == "bits_per_byte"} == set(BYTES)
+def decide_run(con, run_id):
+    """What the flow's decide stage does: the run's rows of the views, one decision per variant, stored."""
+    recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
+    samples = store.paired_samples(con, run_id, [(g.task, g.metric) for g in POLICY.quality])
+    flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = ?", [run_id])
     variants = store.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
-                               " WHERE rv.run_id = 'r2' AND rv.role = 'variant' ORDER BY name")
+                               " WHERE rv.run_id = ? AND rv.role = 'variant' ORDER BY name", [run_id])
     mine = lambda rows, v: [r for r in rows if r["variant_uid"] == v["variant_uid"]]  # noqa: E731
     decisions = [decide(v, 400, mine(recovery, v), [], POLICY, mine(samples, v), mine(flips, v)) for v in variants]
-    store.record_decisions(con, "r2", decisions, POLICY.model_dump(mode="json"))
+    store.record_decisions(con, run_id, decisions, POLICY.model_dump(mode="json"))
+    return samples
+
+
+def test_decisions_from_paired_items_reach_the_scorecard(con):
+    samples = decide_run(con, "r2")
+    assert {(s["task"], s["metric"]) for s in samples} == {("qg_piqa", "acc"), ("qg_simple_stories", "bits_per_byte")}
+    assert {s["base_weight"] for s in samples if s["metric"] == "bits_per_byte"} == set(BYTES)
     card = {r["variant"]: r for r in store.rows(con, "SELECT * FROM variant_scorecard")}
     awq = card["awq"]
     assert awq["decision"] == "reject" and awq["reason"].startswith("reject: qg_piqa/acc recovery")
     assert awq["quality_lower_bound"] < awq["quality_recovery"] < 0.95
     assert awq["flip_rate"] == pytest.approx(60 / N_ITEMS)
+    assert (awq["deciding_check"], awq["deciding_threshold"]) == ("qg_piqa/acc", 0.95)
+    assert awq["deciding_value"] == pytest.approx(awq["quality_recovery"])
+
+
+def test_three_verdicts_are_stored_as_check_rows_and_the_scorecard_shows_the_deciding_one(con):
+    # 200 piqa items (BASE_ACC, ~140 right) and the same stories: lossless, 5 answers lost, 60 lost.
+    seed(con, "r3", "k3", {("base", "base"): (BASE_ACC, BASE_LL, 100.0),
+                           ("x0", "lossless"): (BASE_ACC, BASE_LL, 100.0),
+                           ("x5", "five-lost"): (lose(BASE_ACC, 5), BASE_LL, 100.0),
+                           ("x60", "sixty-lost"): (lose(BASE_ACC, 60), BASE_LL, 100.0)}, "2026-01-03 10:00:00")
+    decide_run(con, "r3")
+    card = {r["variant"]: r for r in store.rows(con, "SELECT * FROM variant_scorecard")}
+    assert {v: r["decision"] for v, r in card.items()} == {
+        "lossless": "accept", "five-lost": "inconclusive", "sixty-lost": "reject"}
+    assert card["lossless"]["deciding_check"] is None and card["lossless"]["items_to_decide"] is None
+    unsure, bad = card["five-lost"], card["sixty-lost"]
+    assert (unsure["deciding_check"], unsure["deciding_threshold"]) == ("qg_piqa/acc", 0.95)
+    right = int(BASE_ACC.sum())
+    assert unsure["deciding_value"] == pytest.approx(1 - 5 / right) and unsure["items_to_decide"] > N_ITEMS
+    assert f"~{round(unsure['items_to_decide'], -2):,} items would decide (have {N_ITEMS})" in unsure["reason"]
+    assert bad["deciding_check"] == "qg_piqa/acc" and bad["deciding_value"] == pytest.approx(1 - 60 / right)
+
+    rows = store.rows(con, "SELECT * FROM decision_checks WHERE run_id = 'r3' AND variant_uid = 'x5' ORDER BY position")
+    assert [(r["kind"], r["name"], r["outcome"]) for r in rows] == [
+        ("quality", "qg_simple_stories/bits_per_byte", "pass"), ("quality", "qg_piqa/acc", "inconclusive"),
+        ("size", "size", "pass")]
+    piqa = rows[1]
+    assert (piqa["task"], piqa["metric"], piqa["items"], piqa["threshold"]) == ("qg_piqa", "acc", N_ITEMS, 0.95)
+    assert piqa["lower"] < 0.95 <= piqa["upper"] and piqa["items_to_decide"] == unsure["items_to_decide"]
+    assert 0 < piqa["min_detectable_drop"] < 1 and piqa["note"] in unsure["reason"]
+    # The scorecard's power: the least powered gate, here piqa's 200 items (the stories give a tight interval).
+    assert (unsure["power_basis"], unsure["min_detectable_drop"]) == ("qg_piqa/acc", pytest.approx(piqa["min_detectable_drop"]))
+
+    # Deciding again replaces the rows rather than adding to them.
+    decide_run(con, "r3")
+    assert con.execute("SELECT count(*) FROM decision_checks WHERE run_id = 'r3'").fetchone()[0] == 9
+
+
+def test_a_verdict_that_steps_down_is_a_flagged_regression(con):
+    builds = lambda acc: {("base", "base"): (BASE_ACC, BASE_LL, 100.0), ("y", "int8"): (acc, BASE_LL, 100.0)}  # noqa: E731
+    seed(con, "r3", "k3", builds(BASE_ACC), "2026-01-03 10:00:00")
+    decide_run(con, "r3")
+    seed(con, "r4", "k4", builds(lose(BASE_ACC, 5)), "2026-01-04 10:00:00")
+    decide_run(con, "r4")
+    (row,) = store.rows(con, "SELECT * FROM regressions WHERE kind = 'decision'")
+    assert (row["variant"], row["basis"], row["change"], row["flagged"]) == ("int8", "accept → inconclusive", "worse", True)
+    assert (row["run_id"], row["previous_run_id"]) == ("r4", "r3")
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])

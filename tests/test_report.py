@@ -7,7 +7,15 @@ import subprocess
 
 import pytest
 
-from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, SpeedResult, VariantArtifact
+from quantgate.tasks.records import (
+    Decision,
+    DecisionCheck,
+    MetricResult,
+    ModelArtifact,
+    QualityReport,
+    SpeedResult,
+    VariantArtifact,
+)
 from quantgate.tasks.serving import RequestRecord, ServingLoad
 from quantgate.warehouse import report, store
 
@@ -16,7 +24,7 @@ BUILDS = {
     "base": (0.70, 100.0, 4 * 2**30, 0.50, None),
     "gptq": (0.69, 180.0, 2 * 2**30, 0.30, "accept"),
     "awq": (0.60, 170.0, 2 * 2**30, 0.28, "reject"),
-    "int8": (0.695, 130.0, 3 * 2**30, 0.40, "accept"),
+    "int8": (0.695, 130.0, 3 * 2**30, 0.40, "inconclusive"),
 }
 
 
@@ -45,9 +53,14 @@ def seed(con, run_id, started, acc_shift=0.0, model="m", speed=True):
             SpeedResult(engine="vllm", scenario="offline", status="skipped", reason="no GPU", config={})])
         if verdict:
             rec = acc / BUILDS["base"][0]
-            why = "accept: all checks passed" if verdict == "accept" else f"reject: qg_piqa/acc recovery {rec:.3f} < 0.95"
-            decisions.append(Decision(uid, verdict, why, [], "p" * 12, rec, tps / 100.0 if speed else None, 0.3,
-                                      rec - 0.01, 0.02))
+            outcome = {"accept": "pass", "reject": "fail", "inconclusive": "inconclusive"}[verdict]
+            note = f"qg_piqa/acc recovery {rec:.3f} {'spans' if outcome == 'inconclusive' else '<'} 0.95"
+            check = DecisionCheck("quality", "qg_piqa/acc", outcome, note, task="qg_piqa", metric="acc", value=rec,
+                                  lower=rec - 0.06, upper=rec + 0.06, threshold=0.95, items=2000,
+                                  items_to_decide=9000 if outcome == "inconclusive" else None, min_detectable_drop=0.06)
+            why = "accept: all checks passed" if verdict == "accept" else f"{verdict}: {note}"
+            decisions.append(Decision(uid, verdict, why, [check], "p" * 12, rec, tps / 100.0 if speed else None, 0.3,
+                                      rec - 0.06, 0.02))
     store.record_serving(con, run_id, f"{model}-gptq", "vllm", "serving", [] if not speed else [
         ServingLoad("c=1", 1, None, requests(8, 0.02, 0.004), 2.0),
         ServingLoad("c=8", 8, None, requests(16, 0.06, 0.005), 2.0)], None)
@@ -77,10 +90,17 @@ def test_report_has_regressions_first_then_scorecard_rows_and_plots(page):
     html = page.read_text()
     assert html.index("<h2>Regressions") < html.index("<h2>Scorecard") < html.index("<h2>Quality against speed")
     assert "qg_piqa/acc" in html and "<tr class='flagged'>" in html  # awq's drop is listed and flagged
-    rows = re.findall(r"<tr class='(accept|reject)'><td class='model_id'>m</td><td class='variant'>(\w+)</td>", html)
-    assert sorted(rows) == [("accept", "gptq"), ("accept", "int8"), ("reject", "awq")]
+    rows = re.findall(r"<tr class='(\w+)'><td class='decision'>(\w+)</td><td class='deciding'>"
+                      r"[^<]*</td><td class='model_id'>m</td><td class='variant'>(\w+)</td>", html)
+    assert sorted(rows) == [("accept", "accept", "gptq"), ("inconclusive", "inconclusive", "int8"),
+                            ("reject", "reject", "awq")]
+    assert "tr.inconclusive td.decision{background:" in html  # a colour of its own, in the table and the scatter
+    assert f"fill='{report.INCONCLUSIVE}'" in html and f"fill='{report.ACCEPT}'" in html
+    # The deciding check as data: its name, number and threshold, and the items that would decide it.
+    assert "<td class='deciding'>qg_piqa/acc: 0.9929 vs 0.95; ~9,000 items would decide</td>" in html
     assert html.count("<td class='model_id'>n</td>") == 3
     assert "reject: qg_piqa/acc recovery 0.714 &lt; 0.95" in html  # reasons are shown, escaped
+    assert "<details><summary>why</summary><p>reject: qg_piqa/acc" in html  # the full reason on demand
     assert html.count("<svg") == 2 + 2 + 4  # one scatter per model, memory and energy bars, four latency curves
     assert "speedup over base" in html and "stroke-dasharray" in html  # x = speedup, Pareto frontier drawn
     assert "size ratio to base" in html  # model n has no speed: its x axis falls back to size
@@ -141,3 +161,37 @@ def test_report_renders_in_headless_chromium(page, tmp_path):
     with Image.open(png) as im:
         colours = im.convert("RGB").getcolors(maxcolors=1 << 16)
     assert colours is None or len(colours) > 50  # None: more colours than counted
+
+
+def test_deciding_check_is_a_rejects_first_failure_or_an_accepts_closest_gate():
+    quality = {"check": "qg_piqa/acc", "passed": True, "value": 0.99, "lower": 0.97, "threshold": 0.95, "note": "q"}
+    speed = {"check": "speed vllm/offline", "passed": False, "value": 0.9, "threshold": 1.1, "note": "s"}
+    size = {"check": "size", "passed": True, "value": 0.3, "threshold": 1.0, "note": "z"}
+    assert report.deciding_check("reject", [quality, speed, size]) == "speed vllm/offline: value 0.9 < 1.1"
+    assert report.deciding_check("accept", [quality, size]) == "qg_piqa/acc: CI low 0.97 ≥ 0.95"
+    assert report.deciding_check("accept", [size]) == "size: value 0.3 ≤ 1"
+    assert report.deciding_check("reject", [{"check": "build", "passed": False, "note": "build failed"}]) == "build failed"
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium installed (apt-get install -y chromium)")
+def test_report_fits_1400px_without_horizontal_scroll(warehouse, tmp_path):
+    """Chromium lays out the page at 1400 px, long reasons included, every <details> open; the page is no
+    wider than the window. The measuring script is added to a copy: the report itself has none."""
+    with store.session(warehouse, read_only=True) as con:
+        html = report.render(con)
+    long_reason = "reject: " + "; ".join(f"qg_task_{i}/metric recovery 0.9{i} (95% CI lower bound 0.8{i}) < 0.95"
+                                         for i in range(12))
+    html = html.replace("reject: qg_piqa/acc", long_reason + " qg_piqa/acc").replace("<details>", "<details open>")
+    probe = tmp_path / "probe.html"
+    probe.write_text(html.replace("</body>", "<script>document.body.setAttribute('data-width',"
+                                             " document.documentElement.scrollWidth)</script></body>"))
+    dom = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000", "--dump-dom",
+                          probe.as_uri()], check=True, capture_output=True, text=True, timeout=120).stdout
+    width = int(re.search(r'data-width="(\d+)"', dom).group(1))
+    assert width <= 1400, f"the page is {width} px wide at a 1400 px window"
+    scorecard = html[html.index("<table class='scorecard'>"):]
+    scorecard = scorecard[:scorecard.index("</table>")]
+    first = re.findall(r"<tr class='\w+'><td class='(\w+)'", scorecard)
+    assert len(first) == 6 and set(first) == {"decision"}  # every scorecard row starts with the verdict

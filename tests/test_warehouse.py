@@ -215,3 +215,47 @@ def test_writing_sessions_of_one_process_take_turns(tmp_path):
     assert errors == []
     with store.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM run_prices").fetchone()[0] == 20
+
+
+def test_migration_0010_keeps_old_decisions_readable_and_admits_inconclusive(tmp_path, monkeypatch):
+    from quantgate.tasks.records import Decision, DecisionCheck
+
+    old = tmp_path / "migrations"
+    old.mkdir()
+    for f in sorted(store.MIGRATIONS.glob("*.sql")):
+        if int(f.name.split("_", 1)[0]) < 9:
+            shutil.copy(f, old / f.name)
+    path = tmp_path / "w.duckdb"
+    with monkeypatch.context() as m:  # a warehouse as 0008 left it, its decision with the checks as JSON
+        m.setattr(store, "MIGRATIONS", old)
+        m.setattr(store, "apply_views", lambda con, force=False: None)  # today's views need today's tables
+        with store.session(path) as con:
+            seed_run(con, "r1")
+            con.execute("INSERT INTO decisions VALUES ('r1', 'v1', 'reject', 'reject: qg_piqa/acc recovery 0.95 < 0.99',"
+                        " ?, 0.95, 1.5, 0.25, 'ph', '{\"version\": 1}', now(), 0.9, 0.02)",
+                        ['[{"check": "serving gpu-serving", "passed": false, "value": 0.5, "point": "default"}]'])
+            with pytest.raises(duckdb.ConstraintException):
+                con.execute("INSERT INTO decisions VALUES ('r1', 'v2', 'inconclusive', 'x', NULL, NULL, NULL, NULL,"
+                            " 'ph', '{}', now(), NULL, NULL)")
+    with store.session(path) as con:
+        assert con.execute("SELECT max(version) FROM schema_migrations").fetchone() == (10,)
+        (kept,) = store.rows(con, "SELECT * FROM decisions")
+        assert (kept["decision"], kept["reason"], kept["quality_lower_bound"], kept["flip_rate"]) == (
+            "reject", "reject: qg_piqa/acc recovery 0.95 < 0.99", 0.9, 0.02)
+        assert '"passed": false' in kept["checks"]  # the old JSON stays as it was
+        (card,) = store.rows(con, "SELECT * FROM variant_scorecard")
+        assert (card["decision"], card["reason"], card["size_ratio"]) == ("reject", kept["reason"], 0.25)
+        assert card["deciding_check"] is None and card["serving_goodput_ratio"] is None  # no check rows for it
+
+        seed_run(con, "r2")
+        check = DecisionCheck("quality", "qg_piqa/acc", "inconclusive", "qg_piqa/acc spans 0.95", task="qg_piqa",
+                              metric="acc", value=0.96, lower=0.93, upper=0.99, threshold=0.95, items=100,
+                              items_to_decide=440, min_detectable_drop=0.03)
+        store.record_decisions(con, "r2", [Decision("v1", "inconclusive", "inconclusive: qg_piqa/acc spans 0.95",
+                                                     [check], "ph", 0.96, None, 0.25, 0.93)], {"version": 1})
+        (card,) = store.rows(con, "SELECT * FROM variant_scorecard")
+        assert (card["run_id"], card["decision"], card["deciding_check"], card["deciding_value"],
+                card["deciding_threshold"], card["items_to_decide"], card["min_detectable_drop"]) == (
+            "r2", "inconclusive", "qg_piqa/acc", 0.96, 0.95, 440, 0.03)
+        assert [r["decision"] for r in store.rows(con, "SELECT decision FROM decisions ORDER BY run_id")] == [
+            "reject", "inconclusive"]

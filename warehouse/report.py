@@ -3,6 +3,7 @@ energy and latency. Plots are hand-written inline SVG so the page needs no netwo
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -12,7 +13,8 @@ from typing import Any
 
 from quantgate.warehouse import store
 
-ACCEPT, REJECT, BASE, GRID = "#2e7d32", "#c62828", "#607d8b", "#e0e0e0"
+ACCEPT, REJECT, INCONCLUSIVE, BASE, GRID = "#2e7d32", "#c62828", "#f9a825", "#607d8b", "#e0e0e0"
+VERDICT_COLOURS = {"accept": ACCEPT, "reject": REJECT, "inconclusive": INCONCLUSIVE}
 PALETTE = ("#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#283593")
 
 # The latest successful measurement of each (model, variant, engine, scenario[, load]) across runs of any
@@ -21,7 +23,7 @@ _LATEST_SPEED = """
 SELECT * EXCLUDE (rn) FROM (
     SELECT r.model_id, v.name AS variant, s.*,
            row_number() OVER (PARTITION BY r.model_id, s.variant_uid, s.engine, s.scenario ORDER BY r.started_at DESC) AS rn
-    FROM speed_results s JOIN runs r USING (run_id) JOIN variants v USING (variant_uid)
+    FROM stg_speed_results s JOIN runs r USING (run_id) JOIN variants v USING (variant_uid)
     WHERE s.status = 'ok' {where}
 ) WHERE rn = 1 ORDER BY model_id, variant, engine, scenario
 """
@@ -61,7 +63,11 @@ th,td{border:1px solid #d0d0d0;padding:3px 8px;text-align:left;vertical-align:to
 th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.accept td.decision{background:#c8e6c9;color:#1b5e20;font-weight:600}
 tr.reject td.decision{background:#ffcdd2;color:#b71c1c;font-weight:600}
-tr.flagged td{background:#fff3e0}td.reason{min-width:300px}td.build{white-space:nowrap}
+tr.inconclusive td.decision{background:#fff59d;color:#6d4c00;font-weight:600}
+tr.flagged td{background:#fff3e0}td.build{white-space:nowrap}
+table.scorecard{width:100%}table.scorecard td.deciding{max-width:28em}
+td.details details{max-width:36em}td.details summary{cursor:pointer;color:#1565c0}td.details li.fail{color:#b71c1c}
+td,th{overflow-wrap:anywhere}
 .charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff;border:1px solid #e0e0e0}
 svg text{font:11px system-ui,sans-serif;fill:#333}svg text.label{paint-order:stroke;stroke:#fff;stroke-width:3px}
 """
@@ -81,10 +87,27 @@ def render(con, model: str | None = None, title: str = "quantgate report") -> st
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = [f"<h1>{escape(title)}</h1>",
             f"<p class='meta'>generated {generated}{' · model ' + escape(model) if model else ''}</p>",
-            _regressions(moved), _scorecard(card), _tradeoffs(card), _cost(cost), _tuned(tuned),
+            _regressions(moved), _scorecard(card, _checks(con, card)), _tradeoffs(card), _cost(cost), _tuned(tuned),
             _memory_energy(speed), _latency(latency)]
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{escape(title)}</title><style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def _checks(con, card: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Each scorecard row's decision checks, by (run, variant)."""
+    runs = sorted({r["run_id"] for r in card})
+    if not runs:
+        return {}
+    found = store.rows(con, "SELECT run_id, variant_uid, checks FROM decisions WHERE list_contains(?, run_id)", [runs])
+    out = {(f["run_id"], f["variant_uid"]): json.loads(f["checks"]) if isinstance(f["checks"], str) else f["checks"] or []
+           for f in found}
+    # Decisions since decision_checks keep their checks as rows (their JSON is NULL): in the older shape here.
+    for c in store.rows(con, "SELECT * FROM decision_checks WHERE list_contains(?, run_id) ORDER BY position", [runs]):
+        passed = {"pass": True, "fail": False}.get(c["outcome"])
+        out.setdefault((c["run_id"], c["variant_uid"]), []).append(
+            {"check": c["name"], "passed": passed, "note": c["note"], "value": c["value"], "lower": c["lower"],
+             "threshold": c["threshold"], "outcome": c["outcome"]})
+    return out
 
 
 def write(con, out: str | Path, model: str | None = None) -> Path:
@@ -106,14 +129,87 @@ def _regressions(moved: list[dict]) -> str:
             + _table(cols, rows))
 
 
-def _scorecard(card: list[dict]) -> str:
+def _scorecard(card: list[dict], checks: dict[tuple[str, str], list[dict]]) -> str:
+    """One row per variant, verdict first: the decision, the check that decided it (its number against its
+    threshold) and the headline numbers; the full reason, every check and the rest on demand."""
     if not card:
         return "<h2>Scorecard</h2><p class='note'>No evaluate-model runs in this warehouse: no decisions yet.</p>"
-    cols = ["model_id", "variant", "build", "size_ratio", "quality_recovery", "quality_lower_bound", "flip_rate",
-            "speedup", "speedup_basis", "serving_goodput_ratio", "serving_config", "usd_per_million_tokens",
-            "cost_basis", "decision", "reason"]
-    rows = [(r["decision"], [_build(r) if c == "build" else r.get(c) for c in cols]) for r in card]
-    return "<h2>Scorecard</h2><p>Latest run of each model; decision by the policy, its reason beside it.</p>" + _table(cols, rows)
+    cols = ["decision", "deciding check", "model_id", "variant", "build", "size_ratio", "quality_recovery",
+            "quality_lower_bound", "speedup", "details"]
+    head = "".join(f"<th>{escape(c.replace('_', ' '))}</th>" for c in cols)
+    body = []
+    for r in card:
+        found = checks.get((r["run_id"], r["variant_uid"]), [])
+        cells = [f"<td class='decision'>{escape(r['decision'])}</td>",
+                 f"<td class='deciding'>{escape(_deciding(r, found))}</td>",
+                 *(f"<td class='{c}'>{escape(_fmt(r.get(c)))}</td>" for c in ("model_id", "variant")),
+                 f"<td class='build'>{escape(_build(r))}</td>",
+                 *(f"<td class='num'>{escape(_fmt(r.get(c)))}</td>"
+                   for c in ("size_ratio", "quality_recovery", "quality_lower_bound", "speedup")),
+                 f"<td class='details'>{_details(r, found)}</td>"]
+        body.append(f"<tr class='{escape(r['decision'])}'>{''.join(cells)}</tr>")
+    return ("<h2>Scorecard</h2><p>Latest run of each model; the verdict and the check that decided it first, "
+            "the full reason under <em>why</em>.</p>"
+            f"<table class='scorecard'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+
+
+def _deciding(r: dict, checks: list[dict]) -> str:
+    """The deciding check of a scorecard row: the stored one (decision_checks: its number against its threshold,
+    and for an inconclusive one the items that would decide it), else worked out from an older decision's JSON
+    checks, else the reason's first clause."""
+    if r.get("deciding_check"):
+        value, threshold = r.get("deciding_value"), r.get("deciding_threshold")
+        text = str(r["deciding_check"])
+        if _finite(value) and _finite(threshold):
+            text += f": {value:.4g} vs {threshold:.4g}"
+        if r.get("items_to_decide"):
+            text += f"; ~{int(r['items_to_decide']):,} items would decide"
+        return text
+    return deciding_check(r["decision"], checks) or _first_clause(r["reason"])
+
+
+def deciding_check(decision: str, checks: list[dict]) -> str | None:
+    """The check that decided: a reject's first failed check; an accept's gated check closest to its
+    threshold. Its name and number against its threshold, or None where the checks do not say."""
+    gated = [c for c in checks if c.get("passed") is not None]
+    if decision == "reject":
+        pick = next((c for c in gated if c["passed"] is False), None)
+    else:
+        scored = [c for c in gated if _finite(_number(c)) and _finite(c.get("threshold"))]
+        pick = min(scored, key=lambda c: abs(_number(c) - c["threshold"]), default=None)
+    if pick is None:
+        return None
+    number, threshold = _number(pick), pick.get("threshold")
+    if not (_finite(number) and _finite(threshold)):
+        return str(pick.get("note") or pick.get("check"))
+    if pick["passed"]:  # a gate passes above (recovery, speedup) or below (size) its threshold
+        op = "≥" if number >= threshold else "≤"
+    else:
+        op = "<" if number < threshold else ">"
+    measure = "CI low" if pick.get("lower") is not None else "value"
+    return f"{pick['check']}: {measure} {number:.4g} {op} {threshold:.4g}"
+
+
+def _number(check: dict) -> Any:
+    return check["lower"] if check.get("lower") is not None else check.get("value")
+
+
+def _outcome(check: dict) -> str:
+    return check.get("outcome") or {True: "pass", False: "fail"}.get(check.get("passed"), "not_measured")
+
+
+def _first_clause(reason: str | None) -> str:
+    return (reason or "").split(";")[0]
+
+
+def _details(r: dict, checks: list[dict]) -> str:
+    more = ["flip_rate", "kl", "long_context", "speedup_basis", "serving_goodput_ratio", "serving_config",
+            "usd_per_million_tokens", "cost_basis", "build_status"]
+    facts = "".join(f"<li>{escape(c.replace('_', ' '))}: {escape(_fmt(r.get(c)))}</li>" for c in more
+                    if r.get(c) is not None)
+    listed = "".join(f"<li class='{_outcome(c)}'>{escape(str(c.get('note') or c.get('check')))}</li>" for c in checks)
+    return (f"<details><summary>why</summary><p>{escape(r['reason'] or '')}</p>"
+            + (f"<ul>{listed}</ul>" if listed else "") + (f"<ul>{facts}</ul>" if facts else "") + "</details>")
 
 
 def _build(r: dict) -> str:
@@ -337,7 +433,7 @@ def _pareto_svg(model: str, rows: list[dict], key: str, higher_x_better: bool) -
     p.parts.append(f"<path d='M{bx:.1f} {by - 6:.1f}l6 6l-6 6l-6-6z' fill='{BASE}'/>"
                    + _text(bx - 8 if near_edge else bx + 8, by - 6, "base", "end" if near_edge else "start"))
     for i, r in enumerate(rows):
-        colour = ACCEPT if r["decision"] == "accept" else REJECT
+        colour = VERDICT_COLOURS.get(r["decision"], REJECT)
         cx, cy = p.x(r[key]), p.y(r["quality_recovery"])
         if _finite(r["quality_lower_bound"]):
             ly = p.y(r["quality_lower_bound"])

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -174,9 +174,10 @@ def apply_views(con: duckdb.DuckDBPyConnection, force: bool = False) -> None:
 def session(path: str | Path | None = None, read_only: bool = False,
             sandbox: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
     """A short-lived connection: DuckDB admits one writing process, so writers never hold the file between steps.
-    Within a process, writing sessions take turns (threads of one flow, e.g. the GPU suite's lanes): one that
-    migrates or recreates the views would conflict with another at it."""
-    with nullcontext() if read_only else _WRITING:
+    Within a process, sessions take turns (threads of one flow: the lanes, builds and evaluations side by side):
+    one that migrates or recreates the views would conflict with another at it, and DuckDB refuses a read-only
+    connection to a file this process holds open for writing."""
+    with _WRITING:
         con = connect(path, read_only=read_only, sandbox=sandbox)
         try:
             yield con
@@ -314,13 +315,59 @@ def _attempt(con, attempt_id: str, run_id: str, host: str) -> None:
     )
 
 
-def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, attempt_id: str) -> None:
-    """Mark a stage of a run complete; call it inside the transaction that writes the stage's rows."""
+def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, attempt_id: str,
+               started_at: datetime | None = None, engine_starts: int = 0) -> None:
+    """Mark a stage of a run complete, with when it began and the engine starts it made; call it inside the
+    transaction that writes the stage's rows."""
     con.execute(
-        "INSERT INTO run_stages VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, stage, item) DO UPDATE SET"
-        " detail = excluded.detail, attempt_id = excluded.attempt_id, completed_at = excluded.completed_at",
-        [run_id, stage, item, detail, attempt_id, _now()],
+        "INSERT INTO run_stages (run_id, stage, item, detail, attempt_id, completed_at, started_at, engine_starts)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, stage, item) DO UPDATE SET"
+        " detail = excluded.detail, attempt_id = excluded.attempt_id, completed_at = excluded.completed_at,"
+        " started_at = excluded.started_at, engine_starts = excluded.engine_starts",
+        [run_id, stage, item, detail, attempt_id, _now(), started_at, engine_starts],
     )
+
+
+def now() -> datetime:
+    """The warehouse's clock (UTC, naive), for a stage's start."""
+    return _now()
+
+
+def stage_summary(con, run_id: str) -> list[dict[str, Any]]:
+    """Seconds per stage of a run (from the first start to the last end of its items, which may overlap),
+    the longest item, engine starts and how many items were reused, in the order the stages began."""
+    return rows(
+        con,
+        "SELECT stage, count(*) AS checkpoints, round(epoch(max(ended_at) - min(started_at)), 1) AS seconds,"
+        " round(max(seconds), 1) AS busiest_s, sum(engine_starts) AS engine_starts,"
+        " count(*) FILTER (WHERE reused) AS reused"
+        " FROM stage_times WHERE run_id = ? GROUP BY stage ORDER BY min(started_at)",
+        [run_id],
+    )
+
+
+def variant_failed(con, variant_uid: str) -> bool:
+    found = con.execute("SELECT status = 'failed' FROM variants WHERE variant_uid = ?", [variant_uid]).fetchone()
+    return bool(found and found[0])
+
+
+def speed_source(con, variant_uid: str, speed_key: str) -> str | None:
+    """The latest run that completed the benchmark stage of this variant with the same speed key: its rows are
+    what a rerun would measure again."""
+    found = con.execute(
+        "SELECT rv.run_id FROM run_variants rv JOIN run_stages st ON st.run_id = rv.run_id"
+        " AND st.stage = 'benchmark' AND st.item = rv.variant_uid"
+        " WHERE rv.variant_uid = ? AND rv.speed_key = ? AND coalesce(rv.speed_run_id, rv.run_id) = rv.run_id"
+        " ORDER BY st.completed_at DESC LIMIT 1",
+        [variant_uid, speed_key],
+    ).fetchone()
+    return found[0] if found else None
+
+
+def link_speed(con, run_id: str, variant_uid: str, speed_key: str, source_run_id: str | None = None) -> None:
+    """The run's speed rows for the variant: measured by itself (no source) or reused from `source_run_id`."""
+    con.execute("UPDATE run_variants SET speed_key = ?, speed_run_id = ? WHERE run_id = ? AND variant_uid = ?",
+                [speed_key, source_run_id or run_id, run_id, variant_uid])
 
 
 def completed_stages(con, run_id: str) -> dict[tuple[str, str], str | None]:
@@ -476,16 +523,28 @@ def record_speed(con, run_id: str, variant_uid: str, results: Sequence[SpeedResu
             con.execute(sql, [run_id, variant_uid, *values, _now()])
 
 
+_CHECK_COLUMNS = ("kind", "name", "task", "metric", "value", "lower", "upper", "threshold", "outcome",
+                  "min_detectable_drop", "items", "items_to_decide", "note", "detail")
+
+
 def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: dict[str, Any]) -> None:
+    """Each decision and its checks (`decision_checks`, one row each, in the decision's order), together."""
+    checks_sql = (f"INSERT INTO decision_checks (run_id, variant_uid, position, {', '.join(_CHECK_COLUMNS)})"
+                  f" VALUES ({', '.join('?' * (len(_CHECK_COLUMNS) + 3))})")
     with transaction(con):
         for d in decisions:
             con.execute(
-                "INSERT OR REPLACE INTO decisions (run_id, variant_uid, decision, reason, checks, quality_recovery,"
+                "INSERT OR REPLACE INTO decisions (run_id, variant_uid, decision, reason, quality_recovery,"
                 " speedup, size_ratio, policy_hash, policy, decided_at, quality_lower_bound, flip_rate)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [run_id, d.variant_uid, d.decision, d.reason, _json(d.checks), d.quality_recovery, d.speedup,
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, d.variant_uid, d.decision, d.reason, d.quality_recovery, d.speedup,
                  d.size_ratio, d.policy_hash, _json(policy), _now(), d.quality_lower_bound, d.flip_rate],
             )
+            con.execute("DELETE FROM decision_checks WHERE run_id = ? AND variant_uid = ?", [run_id, d.variant_uid])
+            for position, c in enumerate(d.checks):
+                row = asdict(c)
+                con.execute(checks_sql, [run_id, d.variant_uid, position,
+                                         *(_json(row[k]) if k == "detail" else row[k] for k in _CHECK_COLUMNS)])
 
 
 # --- reads -------------------------------------------------------------------------------------
@@ -583,14 +642,16 @@ def record_suite_step(con, run_id: str, index: int, part: str, engine: str, buil
         )
 
 
-def export(con, folder: str | Path, fmt: str = "parquet") -> list[Path]:
-    """Every table and view of the warehouse as one Parquet or CSV file each (views as computed now)."""
+def export(con, folder: str | Path, fmt: str = "parquet", views: bool = True) -> list[Path]:
+    """Every table of the warehouse as one Parquet or CSV file each, and with `views` every view as computed now."""
     if fmt not in ("parquet", "csv"):
         raise WarehouseError(f"unknown export format {fmt!r}: use parquet or csv")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
+    kinds = ["BASE TABLE", "VIEW"] if views else ["BASE TABLE"]
     names = [n for (n,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' ORDER BY table_name"
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' AND list_contains(?, table_type)"
+        " ORDER BY table_name", [kinds],
     ).fetchall()]
     options = "FORMAT parquet" if fmt == "parquet" else "FORMAT csv, HEADER true"
     files = []
@@ -602,8 +663,59 @@ def export(con, folder: str | Path, fmt: str = "parquet") -> list[Path]:
     return files
 
 
-def export_parquet(con, folder: str | Path) -> list[Path]:
-    return export(con, folder, "parquet")
+def export_parquet(con, folder: str | Path, views: bool = False) -> list[Path]:
+    """The tables as Parquet, the form results are kept in: views are derived (`load_parquet` + the views of
+    the day recompute them), so their files are written only when asked for."""
+    return export(con, folder, "parquet", views=views)
+
+
+# The schema's own bookkeeping: a loaded export is migrated by this quantgate, not by the one that wrote it.
+_BOOKKEEPING = ("schema_migrations", "schema_views")
+
+
+def table_names(con) -> list[str]:
+    """The warehouse's tables that hold data (not its views, nor the schema's bookkeeping)."""
+    return [n for (n,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' AND table_type = 'BASE TABLE'"
+        " AND NOT list_contains(?, table_name) ORDER BY table_name", [list(_BOOKKEEPING)],
+    ).fetchall()]
+
+
+def load_parquet(con, folder: str | Path) -> list[str]:
+    """Load the table files of a Parquet export into this migrated, empty warehouse; returns the tables loaded.
+
+    Columns are matched by name: an export written under older migrations lacks the newer columns, which get
+    their defaults (NULL unless the migration says otherwise). Files of views and of tables this schema does not
+    have are not loaded: views are recomputed here from the tables. An export from a newer schema is refused."""
+    folder = Path(folder)
+    known = max(v for v, _, _ in _migrations())
+    versions = folder / "schema_migrations.parquet"
+    if versions.exists():
+        (written,) = con.execute("SELECT max(version) FROM read_parquet(?)", [str(versions)]).fetchone()
+        if written and written > known:
+            raise WarehouseError(f"{folder}: written by schema version {written}, newer than this quantgate knows"
+                                 f" ({known}); upgrade quantgate")
+    loaded = []
+    with transaction(con):
+        for name in table_names(con):
+            path = folder / f"{name}.parquet"
+            if not path.exists():
+                continue
+            ours = {c for (c,) in con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [name]).fetchall()}
+            theirs = [d[0] for d in con.execute("SELECT * FROM read_parquet(?) LIMIT 0", [str(path)]).description]
+            unknown = sorted(set(theirs) - ours)
+            if unknown:
+                raise WarehouseError(f"{path}: column {unknown[0]} is not in table {name} of this schema")
+            columns = ", ".join(f'"{c}"' for c in theirs)
+            try:
+                con.execute(f'INSERT INTO "{name}" ({columns}) SELECT {columns} FROM read_parquet(?)', [str(path)])
+            except duckdb.Error as e:
+                raise WarehouseError(f"{path}: cannot load ({str(e).splitlines()[0]})") from None
+            loaded.append(name)
+    if not loaded:
+        raise WarehouseError(f"{folder}: no table files of a quantgate warehouse export (e.g. runs.parquet)")
+    return loaded
 
 
 def paired_samples(con, run_id: str, metrics: Sequence[tuple[str, str]] = ()) -> list[dict[str, Any]]:

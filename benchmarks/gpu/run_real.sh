@@ -8,7 +8,8 @@
 #     e.g. bash benchmarks/gpu/run_real.sh smollm2-135m --scenarios gpu-throughput
 #
 # QG_TIMEOUT_S (default 540) stops the flow with SIGINT so that the export below still runs.
-# Writes to $OUT: summary.md, log.txt and real_results.tar.gz (the warehouse and its Parquet export).
+# Writes to $OUT: summary.md, summary.json (benchmarks/summarize.py), log.txt and real_results.tar.gz (the
+# warehouse, its tables as Parquet in parquet/, the summary and log.txt).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$REPO"
@@ -29,25 +30,10 @@ shift || true
     echo "== flow exit code $? at $(date -u +%FT%TZ)"
 } 2>&1 | tee "$LOG"
 
-{
-    echo "# evaluate-model on the GPU machine"
-    echo
-    echo "Produced by \`bash benchmarks/gpu/run_real.sh $MODEL $*\`; every figure below is read from the warehouse."
-    echo
-    echo "## Scorecard"
-    "${QG[@]}" sql "select variant, method, bits, group_size, size_ratio, quality_recovery, speedup, decision, reason from variant_scorecard" -w "$WH" -f markdown
-    echo
-    echo "## Quality (lm-eval)"
-    "${QG[@]}" sql "select v.name as variant, q.task, q.metric, q.value, q.stderr, q.n_samples, e.config->>'backend' as backend from quality_results q join variants v using (variant_uid) join quality_evals e using (variant_uid, eval_key) where q.metric in ('acc', 'acc_norm', 'bits_per_byte', 'word_perplexity') order by q.task, q.metric, v.name" -w "$WH" -f markdown
-    echo
-    echo "## Speed"
-    "${QG[@]}" sql "select v.name as variant, s.engine, s.scenario, s.status, round(s.tokens_per_s, 1) as tokens_per_s, round(s.ttft_ms, 2) as ttft_ms, round(s.tpot_ms, 3) as tpot_ms, round(s.peak_memory_bytes / 2^30, 2) as peak_gib, round(s.energy_j_per_token, 4) as j_per_token, s.reason from speed_results s join variants v using (variant_uid) order by s.scenario, s.engine, v.name" -w "$WH" -f markdown
-    echo
-    echo "## Builds"
-    "${QG[@]}" sql "select name, method, scheme, group_size, round(size_bytes / 2^20, 1) as size_mib, round(build_seconds, 1) as build_s, round(peak_memory_bytes / 2^30, 2) as peak_gib, status, error from variants order by name" -w "$WH" -f markdown
-} > "$OUT/summary.md" 2>>"$LOG"
-
-python3 -c "import sys; from quantgate.warehouse import store; con = store.connect(sys.argv[1]); store.export_parquet(con, sys.argv[2])" "$WH" "$RESULTS/parquet" 2>>"$LOG"
-cp "$OUT/summary.md" "$LOG" "$RESULTS/"
+# The tables only (views are derived from them), then summary.md + summary.json of every run they hold.
+{ "${QG[@]}" export "$RESULTS/parquet" --tables-only --warehouse "$WH" \
+    && python3 benchmarks/summarize.py "$RESULTS/parquet" --out "$OUT"; } >>"$LOG" 2>&1 \
+    || echo "summary failed (see log.txt)" | tee -a "$LOG"
+cp "$OUT/summary.md" "$OUT/summary.json" "$LOG" "$RESULTS/"
 tar czf "$OUT/real_results.tar.gz" -C "$WORK" results
 ls -la "$OUT"

@@ -4,8 +4,8 @@
 #
 #     bash benchmarks/gpu/run_suite.sh
 #
-# Writes to $OUT (default ./gpu-out): summary.md, log.txt and h200_results.tar.gz (the warehouse,
-# every table and view as Parquet, the vLLM server/bench logs, summary.md, log.txt).
+# Writes to $OUT (default ./gpu-out): summary.md, summary.json (benchmarks/summarize.py), log.txt and
+# h200_results.tar.gz (the warehouse, its tables as Parquet in parquet/, the vLLM server/bench logs, the summary, log.txt).
 # Knobs (environment): QG_DEADLINE_S (330: no step starts later), QG_GRACE_S (75: how far a started
 # step may run past it), QG_PARTS (comma-separated parts of catalog/gpu.yaml; default all), QG_GPUS (e.g. 0,1:
 # steps side by side, one per GPU, tensor-parallel ones after them; default one GPU at a time),
@@ -42,11 +42,13 @@ RC=${PIPESTATUS[0]}
 echo "== flow exit code $RC at $(date -u +%FT%TZ)" | tee -a "$LOG"
 stop_sessions
 
-python3 benchmarks/gpu/summary.py "$WH" --parquet "$RESULTS/parquet" > "$OUT/summary.md" 2>>"$LOG" \
+# The tables only (views are derived from them), then summary.md + summary.json of every run they hold.
+{ python3 -m quantgate.flows.cli export "$RESULTS/parquet" --tables-only --warehouse "$WH" \
+    && python3 benchmarks/summarize.py "$RESULTS/parquet" --out "$OUT"; } >>"$LOG" 2>&1 \
     || echo "summary failed (see log.txt)" | tee -a "$LOG"
 mkdir -p "$RESULTS/logs"
 find "$WORK/gpu" -path '*/logs/*' -type f \( -name '*.log' -o -name '*.json' \) -exec cp --parents {} "$RESULTS/logs" \; 2>/dev/null
-cp "$OUT/summary.md" "$LOG" "$RESULTS/" 2>/dev/null
+cp "$OUT/summary.md" "$OUT/summary.json" "$LOG" "$RESULTS/" 2>/dev/null
 tar czf "$OUT/h200_results.tar.gz" -C "$WORK" results
 ls -la "$OUT" | tee -a "$LOG"
 exit "$RC"

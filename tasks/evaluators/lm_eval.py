@@ -277,9 +277,7 @@ def _run(request: dict) -> dict:
         # the model args, and Transformers 5 dropped load_in_4bit / load_in_8bit.
         model_args = {"pretrained": load_time, "tokenizer": request["model_path"]}
     elif backend == "vllm":
-        # Scoring speed is not what is measured here: skip torch.compile and CUDA-graph capture (a minute per
-        # engine start) and leave the GPU room for the next engine.
-        model_args |= {"enforce_eager": True, "gpu_memory_utilization": 0.5}
+        model_args |= shared_gpu_engine_args()
     # vLLM picks its GPU from CUDA_VISIBLE_DEVICES and rejects a device argument.
     extra = {"batch_size": request["batch_size"], "device": request["device"] if backend == "hf" else None}
     try:
@@ -321,6 +319,31 @@ def _example_prompt(results: dict) -> dict[str, str]:
         if args and isinstance(args[0], str):
             return {task: _compact(args[0], limit=PROMPT_CHARS)}
     return {}
+
+
+# The KV cache of an evaluation engine: far more than lm-eval's longest request needs (a 1.5B model with
+# 2 KV heads stores ~28 KiB per token, so 300K tokens), a small share of an H200.
+EVAL_KV_CACHE_BYTES = 8 * 2**30
+
+
+def shared_gpu_engine_args() -> dict[str, Any]:
+    """vLLM options for an evaluation engine that shares its GPU with other unmeasured jobs.
+
+    Quality and speed of a checkpoint do not share one engine start: lm-eval 0.4.13's vLLM backend cannot
+    take an engine already loaded (`VLLM.__init__` always builds `LLM(**model_args)` from a path, unlike its
+    hf backend, which takes a model object), and an evaluation may share a GPU with builds and other
+    evaluations while a speed measurement must run alone; so evaluations run side by side, then speed.
+    Scoring speed is not measured here: no torch.compile or CUDA-graph capture (a minute per start). A fixed
+    KV cache skips vLLM's free-memory profiling, which fails when another process on the GPU frees memory
+    meanwhile; the utilization then only sets the free memory vLLM checks for at start."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args: dict[str, Any] = {"enforce_eager": True, "gpu_memory_utilization": 0.12}
+    if "kv_cache_memory_bytes" in getattr(EngineArgs, "__dataclass_fields__", {}):
+        args["kv_cache_memory_bytes"] = EVAL_KV_CACHE_BYTES
+    else:  # an older vLLM: profile, with room left for the others
+        args["gpu_memory_utilization"] = 0.3
+    return args
 
 
 def _load_time_model(request: dict) -> Any:

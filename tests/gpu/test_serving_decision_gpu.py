@@ -67,5 +67,5 @@ def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_pa
                                     "serving": {"scenario": "srv", "min_goodput_ratio": 0.01}})
     d = decide({"variant_uid": "copy", "status": "built", "error": None, "size_bytes": 1}, 2, [], [], policy,
                serving=[row])
-    (check,) = [c for c in d.checks if c["check"] == "serving srv"]
-    assert check["passed"] and check["point"] == row["point"] and check["load"] == row["load"]
+    (check,) = [c for c in d.checks if c.name == "serving srv"]
+    assert check.outcome == "pass" and check.detail["point"] == row["point"] and check.detail["load"] == row["load"]

@@ -5,9 +5,9 @@ SELECT s.run_id, s.variant_uid, s.engine, s.scenario, s.status, s.reason,
        s.tokens_per_s / nullif(b.tokens_per_s, 0) AS speedup,
        s.ttft_ms, b.ttft_ms AS base_ttft_ms, s.tpot_ms, b.tpot_ms AS base_tpot_ms,
        s.peak_memory_bytes, b.peak_memory_bytes AS base_peak_memory_bytes
-FROM speed_results s
+FROM stg_speed_results s
 JOIN run_variants rv ON rv.run_id = s.run_id AND rv.variant_uid = s.variant_uid AND rv.role = 'variant'
 LEFT JOIN run_variants rb ON rb.run_id = s.run_id AND rb.role = 'base'
-LEFT JOIN speed_results b
+LEFT JOIN stg_speed_results b
   ON b.run_id = s.run_id AND b.variant_uid = rb.variant_uid AND b.engine = s.engine AND b.scenario = s.scenario
  AND b.status = 'ok';

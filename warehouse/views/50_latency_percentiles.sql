@@ -17,7 +17,7 @@ WITH req AS (
            quantile_cont(e2el_ms, 0.5) FILTER (WHERE success) AS e2el_p50_ms,
            quantile_cont(e2el_ms, 0.9) FILTER (WHERE success) AS e2el_p90_ms,
            quantile_cont(e2el_ms, 0.99) FILTER (WHERE success) AS e2el_p99_ms
-    FROM serving_requests
+    FROM stg_serving_requests
     GROUP BY run_id, variant_uid, engine, scenario, load
 ),
 itl AS (
@@ -27,7 +27,7 @@ itl AS (
            quantile_cont(gap, 0.9) AS itl_p90_ms,
            quantile_cont(gap, 0.99) AS itl_p99_ms
     FROM (SELECT run_id, variant_uid, engine, scenario, load, unnest(itl_ms) AS gap
-          FROM serving_requests WHERE success)
+          FROM stg_serving_requests WHERE success)
     GROUP BY run_id, variant_uid, engine, scenario, load
 )
 SELECT req.run_id, req.variant_uid, req.engine, req.scenario, req.load,
@@ -36,4 +36,4 @@ SELECT req.run_id, req.variant_uid, req.engine, req.scenario, req.load,
        itl.* EXCLUDE (run_id, variant_uid, engine, scenario, load)
 FROM req
 LEFT JOIN itl USING (run_id, variant_uid, engine, scenario, load)
-LEFT JOIN serving_loads l USING (run_id, variant_uid, engine, scenario, load);
+LEFT JOIN stg_serving_loads l USING (run_id, variant_uid, engine, scenario, load);

@@ -10,11 +10,11 @@ SELECT l.run_id, l.variant_uid, l.engine, l.scenario, l.load, l.max_concurrency,
        coalesce(g.good, 0) / l.duration_s AS goodput_requests_per_s,
        coalesce(g.good, 0) / nullif(l.num_prompts, 0) AS good_fraction,
        l.energy_j / nullif(l.output_tokens, 0) AS energy_j_per_token
-FROM serving_loads l
+FROM stg_serving_loads l
 LEFT JOIN (
     SELECT r.run_id, r.variant_uid, r.engine, r.scenario, r.load, count(*) AS good
-    FROM serving_requests r
-    JOIN serving_loads s USING (run_id, variant_uid, engine, scenario, load)
+    FROM stg_serving_requests r
+    JOIN stg_serving_loads s USING (run_id, variant_uid, engine, scenario, load)
     WHERE r.success
       AND (s.slo_ttft_ms IS NULL OR r.ttft_ms <= s.slo_ttft_ms)
       AND (s.slo_tpot_ms IS NULL OR coalesce(r.tpot_ms, 0) <= s.slo_tpot_ms)

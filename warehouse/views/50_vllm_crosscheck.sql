@@ -7,7 +7,7 @@ SELECT o.run_id, o.variant_uid, o.scenario,
        o.total_tokens_per_s AS ours_total_tokens_per_s, b.total_tokens_per_s AS bench_total_tokens_per_s,
        100 * (o.total_tokens_per_s - b.total_tokens_per_s) / nullif(b.total_tokens_per_s, 0) AS total_gap_pct,
        o.status AS ours_status, b.status AS bench_status, coalesce(o.reason, b.reason) AS reason
-FROM speed_results o
-JOIN speed_results b
+FROM stg_speed_results o
+JOIN stg_speed_results b
   ON b.run_id = o.run_id AND b.variant_uid = o.variant_uid AND b.scenario = o.scenario AND b.engine = 'vllm-bench'
 WHERE o.engine = 'vllm';

@@ -8,7 +8,7 @@ SELECT s.run_id, s.variant_uid, s.engine, s.scenario, s.device, s.tokens_per_s,
        coalesce(TRY_CAST(s.config->>'$.engine_options.tensor_parallel_size' AS INTEGER),
                 TRY_CAST(s.config->>'$.endpoint.num_devices' AS INTEGER), 1) AS num_devices,
        p.device AS price_key, p.usd_per_hour
-FROM speed_results s
+FROM stg_speed_results s
 LEFT JOIN LATERAL (
     SELECT arg_max(rp.device, length(rp.device)) AS device, arg_max(rp.usd_per_hour, length(rp.device)) AS usd_per_hour
     FROM run_prices rp
@@ -33,7 +33,7 @@ WITH meeting AS (
            max(g.output_tokens_per_s) AS slo_output_tokens_per_s,
            arg_max(g.goodput_requests_per_s, g.output_tokens_per_s) AS slo_goodput_requests_per_s
     FROM serving_goodput g
-    JOIN speed_results s USING (run_id, variant_uid, engine, scenario)
+    JOIN stg_speed_results s USING (run_id, variant_uid, engine, scenario)
     WHERE g.good_fraction >= coalesce(TRY_CAST(s.config->>'$.slo.attainment' AS DOUBLE), 0.9)
     GROUP BY g.run_id, g.variant_uid, g.engine, g.scenario
 )
@@ -48,7 +48,7 @@ CREATE OR REPLACE VIEW variant_cost AS
 SELECT c.run_id, c.variant_uid, c.engine, c.scenario, c.device, c.price_key, c.usd_per_hour, c.num_devices,
        c.tokens_per_s, c.usd_per_million_output_tokens,
        s.slo_load, s.slo_output_tokens_per_s, s.usd_per_million_output_tokens_at_slo,
-       EXISTS (SELECT 1 FROM serving_loads l WHERE l.run_id = c.run_id AND l.variant_uid = c.variant_uid
+       EXISTS (SELECT 1 FROM stg_serving_loads l WHERE l.run_id = c.run_id AND l.variant_uid = c.variant_uid
                AND l.engine = c.engine AND l.scenario = c.scenario) AS serving
 FROM speed_cost c
 LEFT JOIN serving_cost_at_slo s USING (run_id, variant_uid, engine, scenario);

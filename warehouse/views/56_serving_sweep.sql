@@ -11,7 +11,7 @@ SELECT s.run_id, s.variant_uid, s.engine,
        coalesce(TRY_CAST(s.config->>'$.sweep.min_gain_pct' AS DOUBLE), 0) AS min_gain_pct,
        s.details->>'$.kernel' AS kernel, s.scenario AS run_scenario,
        s.config->>'$.sweep.scenario' IS NOT NULL AS swept
-FROM speed_results s
+FROM stg_speed_results s
 LEFT JOIN serving_best_load g USING (run_id, variant_uid, engine, scenario)
 WHERE s.config->>'$.kind' = 'serving';
 

@@ -1,10 +1,13 @@
--- Did anything get worse since last time? Three comparisons, each latest against the one before:
+-- Did anything get worse since last time? Four comparisons, each latest against the one before:
 --   quality  each metric of a variant (same variant_uid: same model sha and recipe), latest evaluation the
 --            variant was part of against the previous one. Evaluations are cached per (variant, eval_key),
 --            so a difference means a new eval_key (lm-eval version, task config, limit) or a re-measurement.
 --   speed    tokens_per_s of a variant on the same engine and scenario, latest successful run against the previous.
 --   recipe   a model's latest run has a variant of the same name as its previous run but another build
 --            (changed recipe or library versions): recovery of each metric against the previous build's.
+--   decision a model's latest run against its previous one, per variant name: the verdict, ranked
+--            accept (2) > inconclusive (1) > reject (0) in value / previous_value, the two verdicts in basis
+--            ('accept → inconclusive'); any step down is worse (no noise band: a verdict already accounts for it).
 -- Noise bands: quality and recovery move beyond noise when |Δ| > 2 × the combined stderr, sqrt(se₁² + se₂²)
 -- (recovery stderr by the delta method, base and variant taken as independent: conservative); speed when
 -- |Δ| > 10% of the previous tokens_per_s, a fixed constant (medians of a few repetitions on a shared
@@ -36,7 +39,7 @@ quality AS (
 sr AS (
     SELECT s.*, d.model_id,
            dense_rank() OVER (PARTITION BY s.variant_uid, s.engine, s.scenario ORDER BY d.started_at DESC, s.run_id) AS k
-    FROM speed_results s JOIN done d USING (run_id)
+    FROM stg_speed_results s JOIN done d USING (run_id)
     WHERE s.status = 'ok' AND s.tokens_per_s IS NOT NULL
 ),
 speed AS (
@@ -89,8 +92,20 @@ recipe AS (
                AND rp.task = rl.task AND rp.metric = rl.metric AND rp.filter = rl.filter
     WHERE l.k = 1
 ),
+verdict AS (
+    SELECT 'decision' AS kind, l.model_id, l.variant_uid, p.variant_uid AS previous_variant_uid,
+           l.run_id, p.run_id AS previous_run_id, 'decision' AS measure,
+           CASE dp.decision WHEN 'accept' THEN 2 WHEN 'inconclusive' THEN 1 ELSE 0 END::DOUBLE AS previous_value,
+           CASE dl.decision WHEN 'accept' THEN 2 WHEN 'inconclusive' THEN 1 ELSE 0 END::DOUBLE AS value,
+           0.0 AS noise, true AS higher_is_better, dp.decision || ' → ' || dl.decision AS basis
+    FROM named l
+    JOIN named p ON p.model_id = l.model_id AND p.name = l.name AND p.k = 2
+    JOIN decisions dl ON dl.run_id = l.run_id AND dl.variant_uid = l.variant_uid
+    JOIN decisions dp ON dp.run_id = p.run_id AND dp.variant_uid = p.variant_uid
+    WHERE l.k = 1
+),
 compared AS (
-    SELECT * FROM quality UNION ALL SELECT * FROM speed UNION ALL SELECT * FROM recipe
+    SELECT * FROM quality UNION ALL SELECT * FROM speed UNION ALL SELECT * FROM recipe UNION ALL SELECT * FROM verdict
 )
 SELECT c.kind, c.model_id, v.name AS variant, c.measure, c.previous_value, c.value,
        c.value - c.previous_value AS delta, c.noise,

@@ -29,16 +29,6 @@ SELECT run_id, variant_uid,
 FROM variant_cost
 GROUP BY run_id, variant_uid;
 
--- The decision's serving check: goodput at the SLO over the base's, and the tuned serving config it was judged on.
-CREATE OR REPLACE VIEW decision_serving AS
-SELECT run_id, variant_uid, TRY_CAST(c->>'value' AS DOUBLE) AS serving_goodput_ratio, c->>'point' AS serving_config
-FROM (
-    SELECT run_id, variant_uid,
-           list_filter(json_extract(checks, '$[*]'), lambda x: json_extract_string(x, '$.check') LIKE 'serving %')[1] AS c
-    FROM decisions
-)
-WHERE c IS NOT NULL;
-
 CREATE OR REPLACE VIEW variant_scorecard AS
 SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
        v.size_bytes, d.size_ratio, d.quality_recovery, d.quality_lower_bound, coalesce(d.flip_rate, f.flip_rate) AS flip_rate,
@@ -49,7 +39,8 @@ SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
        coalesce(d.reason, 'reject: not decided: ' || coalesce(v.error, 'run ' || r.status)) AS reason,
        rv.reused, CASE WHEN v.skipped THEN 'skipped' ELSE v.status END AS build_status, r.run_id, r.started_at,
        v.variant_uid, d.policy_hash, c.usd_per_million_tokens, c.cost_basis, sv.serving_goodput_ratio,
-       sv.serving_config
+       sv.serving_config, dc.name AS deciding_check, dc.value AS deciding_value, dc.threshold AS deciding_threshold,
+       dc.items_to_decide, pw.min_detectable_drop, pw.power_basis
 FROM latest_runs r
 JOIN run_variants rv ON rv.run_id = r.run_id AND rv.role = 'variant'
 JOIN variants v ON v.variant_uid = rv.variant_uid
@@ -60,4 +51,6 @@ LEFT JOIN variant_long_context lc ON lc.run_id = r.run_id AND lc.variant_uid = r
 LEFT JOIN measured_speedup m ON m.run_id = r.run_id AND m.variant_uid = rv.variant_uid
 LEFT JOIN variant_cheapest c ON c.run_id = r.run_id AND c.variant_uid = rv.variant_uid
 LEFT JOIN decision_serving sv ON sv.run_id = r.run_id AND sv.variant_uid = rv.variant_uid
+LEFT JOIN deciding_check dc ON dc.run_id = r.run_id AND dc.variant_uid = rv.variant_uid
+LEFT JOIN decision_power pw ON pw.run_id = r.run_id AND pw.variant_uid = rv.variant_uid
 ORDER BY r.model_id, v.name;

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The reference run on the GPU machine: Qwen2.5-Coder-1.5B-Instruct (assembled from its 22 registry parts, staged
+# in $QUANTGATE_WHEELHOUSE by stage_reference_model.sh), its AWQ, GPTQ and FP8 variants, the reference suite and
+# scenarios, decided by `quantgate run`, timed from start to exit. After the devkit install and the staging, from
+# the repository root (carry [".gpu-carry/data"] for the offline eval data), under background.sh:
+#
+#     bash benchmarks/gpu/run_reference.sh [quantgate run options, e.g. --gpus 0,1]
+#
+# QG_TIMEOUT_S (default 900) stops the run with SIGINT so that the export below still runs.
+# Writes to $OUT: run.md (wall time, stage times, verdicts), summary.md + summary.json (benchmarks/summarize.py
+# over the tables), log.txt, and reference_results.tar.gz (the tables as Parquet, the run's, engine and server logs).
+set -uo pipefail
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$REPO"
+OUT="${OUT:-$REPO/gpu-out}"
+WORK="${QG_WORKDIR:-/tmp/quantgate-reference}"
+RESULTS="$WORK/results"
+mkdir -p "$OUT" "$RESULTS"
+LOG="$OUT/log.txt"
+. "$REPO/benchmarks/gpu/env.sh"
+export QUANTGATE_WHEELHOUSE="${QUANTGATE_WHEELHOUSE:-/root/qg-wheelhouse}"
+
+WH="$RESULTS/reference.duckdb"
+QG=(python3 -m quantgate.flows.cli)
+MODEL="${QG_MODEL:-qwen2.5-coder-1.5b-instruct}"
+started=$(date +%s.%N)
+{
+    echo "== $(date -u +%FT%TZ) quantgate run $MODEL $* on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+    timeout -s INT -k 30 "${QG_TIMEOUT_S:-900}" "${QG[@]}" run "$MODEL" --warehouse "$WH" --workdir "$WORK" "$@"
+    echo "== exit code $? at $(date -u +%FT%TZ)"
+} > "$LOG" 2>&1
+ended=$(date +%s.%N)
+wall=$(python3 -c "print(f'{$ended - $started:.1f}')")
+tail -n 40 "$LOG"
+
+sql() { "${QG[@]}" sql "$1" -w "$WH" -f markdown; }
+{
+    echo "# The reference run on the GPU machine"
+    echo
+    echo "\`bash benchmarks/gpu/run_reference.sh $*\` on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)."
+    echo "Wall time of \`quantgate run\`, from start to exit: **${wall} s** (measured by this script)."
+    echo
+    echo "## Where the time went (from the warehouse)"
+    python3 benchmarks/stage_times.py "$WH"
+    sql "select stage, checkpoint, round(seconds, 1) as seconds, engine_starts, reused, strftime(started_at, '%H:%M:%S') as started, strftime(ended_at, '%H:%M:%S') as ended from stage_times order by started_at, stage"
+    echo
+    echo "## Verdicts"
+    sql "select variant, decision, reason from variant_scorecard"
+} > "$OUT/run.md" 2>>"$LOG"
+# The tables only (views are derived from them), then summary.md + summary.json of the run they hold.
+{ "${QG[@]}" export "$RESULTS/parquet" --tables-only --warehouse "$WH" \
+    && python3 benchmarks/summarize.py "$RESULTS/parquet" --out "$OUT"; } >>"$LOG" 2>&1 \
+    || echo "summary failed (see log.txt)" | tee -a "$LOG"
+cp "$OUT"/run.md "$OUT"/summary.* "$RESULTS/" 2>/dev/null
+# The run's own log (library output, progress bars) compressed beside the summary; of each engine and server
+# log its last 300 lines (what a failure's cause is in), so that every file comes back within the call's limits.
+runlog=$(sed -n 's/^log: //p' "$LOG" | head -1)
+[ -n "$runlog" ] && [ -f "$runlog" ] && gzip -c "$runlog" > "$OUT/run-log.txt.gz"
+find "$WORK" -name '*.log' -not -path "$RESULTS/*" -not -path "$WORK/logs/*" | while read -r f; do
+    mkdir -p "$RESULTS/logs/$(dirname "${f#"$WORK"/}")" && tail -n 300 "$f" > "$RESULTS/logs/${f#"$WORK"/}"
+done
+tar czf "$OUT/reference_results.tar.gz" -C "$WORK" results
+[ "$(stat -c%s "$LOG")" -gt 10000000 ] && gzip -f "$LOG"
+ls -la "$OUT"

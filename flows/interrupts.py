@@ -1,0 +1,114 @@
+"""SIGINT and SIGTERM during a run: stop what the run started, fail its row with the stage, exit 130 / 143.
+
+One handler for both signals, installed around the flow's stages. It raises `Interrupted`, a
+BaseException, so that neither Prefect's task retries nor a variant's `except Exception` swallows it;
+the `finally` blocks on the way out end the engine and server sessions they own, and `guard` then ends
+whatever process the run started that is still alive, by process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+
+import psutil
+
+from quantgate.flows import progress
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+GRACE_S = 10.0
+
+
+class Interrupted(BaseException):
+    """The run got SIGINT or SIGTERM; the message is the run row's error."""
+
+    def __init__(self, signum: int, stage: str) -> None:
+        self.signum, self.stage = signum, stage
+        super().__init__(f"interrupted ({signal.Signals(signum).name}) during {stage}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def exit_code(e: BaseException) -> int | None:
+    """The shell's code for a run ended by a signal (130 SIGINT, 143 SIGTERM), None for anything else."""
+    if isinstance(e, Interrupted):
+        return e.exit_code
+    if isinstance(e, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if type(e).__name__ == "TerminationSignal":  # Prefect's SIGTERM bridge, outside our guard
+        return 128 + getattr(e, "signal", signal.SIGTERM)
+    return None
+
+
+@contextlib.contextmanager
+def guard() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM into `Interrupted` naming the current stage; on the way out, end the processes
+    started inside and still running. Only in the main thread (elsewhere signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}  # e.g. Prefect's temporary API server: not ours
+    fired: list[int] = []
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if fired:  # already unwinding: a second Ctrl-C must not cut the cleanup short
+            return
+        fired.append(signum)
+        step = progress.current()
+        raise Interrupted(signum, step.stage if step else "startup")
+
+    previous = {s: signal.signal(s, handle) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        try:
+            if fired:
+                stop_started(me, before)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def stop_started(parent: psutil.Process, before: set[int]) -> None:
+    """SIGTERM each process group that holds a descendant started after `before` was taken (our own
+    group: those processes only), then SIGKILL what is left after GRACE_S."""
+    try:
+        started = [p for p in parent.children(recursive=True) if p.pid not in before]
+    except psutil.NoSuchProcess:
+        return
+    own = os.getpgrp()
+    groups, loose = set(), []
+    for p in started:
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            pgid = os.getpgid(p.pid)
+            (loose.append(p) if pgid == own else groups.add(pgid))
+    _signal_all(groups, loose, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and any(_running(p) for p in started):
+        time.sleep(0.1)
+    _signal_all(groups, [p for p in loose if _running(p)], signal.SIGKILL)
+    psutil.wait_procs(loose, timeout=5)
+
+
+def _signal_all(groups: set[int], loose: list[psutil.Process], sig: int) -> None:
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+    for p in loose:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,192 @@
+"""Where work runs: in a fresh process (optionally seeing only some GPUs), in lanes (one per GPU), or several
+jobs at once on a shared device. The one place that owns process isolation for flows.
+
+Measured work (speed) takes a lane, so two measurements never share a GPU; work whose time is not measured
+(quantization, lm-eval, KL) may share one, up to `shared_slots` jobs at a time.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import multiprocessing
+import os
+import signal
+import threading
+from collections import deque
+from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from quantgate.tasks.errors import one_line
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# How many unmeasured jobs may share one GPU at a time. A 1.5B model takes a few GB of an H200's 141, and
+# each lm-eval engine is given a fixed KV cache (tasks/evaluators/lm_eval.py), so four fit with room to spare.
+SHARED_JOBS_PER_GPU = int(os.environ.get("QUANTGATE_SHARED_JOBS_PER_GPU", "4"))
+
+
+class LaunchError(RuntimeError):
+    """Work in a process of its own that did not answer; the message is one line."""
+
+
+def lanes_from(gpus: str | None) -> list[str | None]:
+    """The lanes to run measured work on: the GPU ids given ("0,1"), else those CUDA_VISIBLE_DEVICES shows
+    when it shows several, else one lane in this process's own view (None)."""
+    ids = gpus if gpus is not None else os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    found = [g.strip() for g in ids.split(",") if g.strip()]
+    if gpus is None and len(found) < 2:
+        return [None]
+    return list(found) or [None]
+
+
+def shared_slots(lanes: Sequence[str | None], on_gpu: bool) -> int:
+    """Unmeasured jobs at a time: a few per GPU; one on a CPU, whose cores one job already keeps busy."""
+    return max(1, SHARED_JOBS_PER_GPU * len(lanes)) if on_gpu else 1
+
+
+def on_gpus(gpus: str | None, timeout_s: float | None, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a fresh spawned process that sees only `gpus` (CUDA_VISIBLE_DEVICES, e.g. "1"; None: the
+    same GPUs as this process). Everything it starts (engines, servers) inherits that view, and NVML readings
+    follow it (tasks/telemetry.py). A spawned process takes the environment as it is when it starts, so the
+    variable is set for that moment only, under a lock. An exception in the child comes back as LaunchError
+    with its one-line reason; SIGINT to this process reaches the child, whose `finally` blocks stop what it
+    started, before it is killed."""
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    where = f"GPU {gpus}" if gpus is not None else "worker"
+    # Not a daemon: the engines it runs start processes of their own.
+    proc = ctx.Process(target=_answer, args=(sender, fn, args), name=f"quantgate-{where.replace(' ', '')}")
+    with _SPAWNING:
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        try:
+            proc.start()
+        finally:
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
+        _RUNNING.add(proc)
+    sender.close()
+    try:
+        # The work keeps its own time; the margin is for its cleanup (stopping a server, an engine's teardown).
+        if timeout_s is not None and not receiver.poll(timeout_s + 120):
+            raise LaunchError(f"{where}: no answer within {timeout_s + 120:.0f} s")
+        try:
+            status, value = receiver.recv()
+        except EOFError:
+            proc.join()
+            raise LaunchError(f"{where}: the process ended without an answer (exit code {proc.exitcode})") from None
+        proc.join(60)  # time for what it started to end
+        if status != "ok":
+            raise LaunchError(f"{where}: {value}")
+        return value
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGINT)  # type: ignore[arg-type]
+            proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        receiver.close()
+        with _SPAWNING:
+            _RUNNING.discard(proc)
+
+
+def interrupt_children() -> None:
+    """SIGINT to every process started by on_gpus: each stops its servers and engines and answers."""
+    with _SPAWNING:
+        for proc in _RUNNING:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGINT)  # type: ignore[arg-type]
+
+
+_SPAWNING = threading.Lock()
+_RUNNING: set[multiprocessing.process.BaseProcess] = set()
+
+
+def _answer(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        sender.send(("ok", fn(*args)))
+    except BaseException as e:  # whatever stops the work, as its one-line reason
+        sender.send(("error", one_line(e)))
+    finally:
+        sender.close()
+
+
+class Jobs:
+    """Unmeasured jobs, up to `slots` at a time, each in a copy of the caller's context (Prefect then sees its
+    task runs inside the flow run). With one slot a job runs at once in the caller's thread, so that a signal
+    interrupts it where it is (a CPU runs one job at a time anyway)."""
+
+    def __init__(self, slots: int) -> None:
+        self._pool = ThreadPoolExecutor(slots, thread_name_prefix="quantgate-job") if slots > 1 else None
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        if self._pool is not None:
+            return self._pool.submit(contextvars.copy_context().run, fn, *args)
+        done: Future[R] = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:  # an interrupt (BaseException) goes straight up
+            done.set_exception(e)
+        return done
+
+
+@contextmanager
+def jobs(slots: int) -> Iterator[Jobs]:
+    """A `Jobs` pool. On an exception (an interrupt included) nothing queued starts, what runs in child
+    processes is interrupted, and it is raised at once: the caller's cleanup ends the processes the jobs wait
+    on, and with them the jobs."""
+    pool = Jobs(max(1, slots))
+    try:
+        yield pool
+    except BaseException:
+        if pool._pool is not None:
+            pool._pool.shutdown(wait=False, cancel_futures=True)
+        interrupt_children()
+        raise
+    if pool._pool is not None:
+        pool._pool.shutdown(wait=True)
+
+
+def submit(pool: ThreadPoolExecutor, fn: Callable[..., R], *args: Any) -> Future[R]:
+    return pool.submit(contextvars.copy_context().run, fn, *args)
+
+
+def in_lanes(items: Iterable[T], lanes: Sequence[str | None], work: Callable[[T, str | None], None],
+             interrupt: Callable[[], None] = interrupt_children) -> None:
+    """work(item, lane) for every item, each lane taking the next item nobody has started, so that items run
+    side by side, one per lane; with one lane, in order in this thread. An exception stops the lanes from
+    taking more, calls `interrupt` (by default: SIGINT to what runs in child processes), and is raised once the
+    lanes have stopped."""
+    queue = deque(items)
+    if len(lanes) == 1:
+        while queue:
+            work(queue.popleft(), lanes[0])
+        return
+    taking = threading.Lock()
+
+    def lane_loop(lane: str | None) -> None:
+        while True:
+            with taking:
+                if not queue:
+                    return
+                item = queue.popleft()
+            work(item, lane)
+
+    pool = ThreadPoolExecutor(len(lanes), thread_name_prefix="quantgate-lane")
+    try:
+        for future in [submit(pool, lane_loop, lane) for lane in lanes]:
+            future.result()
+    except BaseException:
+        with taking:
+            queue.clear()
+        interrupt()
+        raise
+    finally:
+        pool.shutdown(wait=True)
