@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, SpeedResult, VariantArtifact
-from quantgate.tasks.serving import RequestRecord, ServingLoad
+from quantgate.tasks.speed.client import RequestRecord, ServingLoad
 from quantgate.warehouse import report, store
 
 # name: (piqa acc, tokens/s, peak bytes, J/token, decision)
