@@ -24,9 +24,10 @@ from quantgate.catalog.schema import Catalog, ModelSpec, ScenarioSpec
 from quantgate.tasks import launch
 from quantgate.tasks.benchmark import benchmark_task, engine_sessions, run_scenarios
 from quantgate.tasks.records import SpeedResult, VariantArtifact
-from quantgate.tasks.serving import (
-    ServingLoad, bench_scenario, bench_task, measured_from_dict, serve_variant, serving_task,
-)
+from quantgate.tasks.speed.bench import bench_scenario, bench_task
+from quantgate.tasks.speed.client import ServingLoad
+from quantgate.tasks.speed.serving import measured_from_dict
+from quantgate.tasks.speed.sweep import serve_variant, serving_task
 from quantgate.warehouse import store
 
 GPU_RESULTS = "gpu-results"

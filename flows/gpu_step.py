@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.flows.dispatch import SERVING_LOGS, measure
-from quantgate.tasks.serving import measured_to_dict
+from quantgate.tasks.speed.serving import measured_to_dict
 
 SLOT_ENV = "QUANTGATE_GPU_SLOT"
 

@@ -36,12 +36,15 @@ from quantgate.catalog.schema import (
     CATALOG_DIR, DEFAULT_CATALOG, GpuSuiteSpec, ScenarioSpec, SuiteStep, load_catalog, load_gpu_suite,
 )
 from quantgate.tasks import engines, launch
-from quantgate.tasks.benchmark import engine_sessions, resolve_device, run_scenarios
+from quantgate.tasks.benchmark import engine_sessions, run_scenarios
 from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.launch import in_lanes
 from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
-from quantgate.tasks.serving import ServingLoad, bench_scenario, serve_variant
+from quantgate.tasks.speed.bench import bench_scenario
+from quantgate.tasks.speed.client import ServingLoad
+from quantgate.tasks.speed.options import resolve_device
+from quantgate.tasks.speed.sweep import serve_variant
 from quantgate.warehouse import store
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"

@@ -1,4 +1,5 @@
-"""Speed benchmark of one checkpoint: engine × scenarios, each engine in a fresh spawned process.
+"""Offline and latency speed of one checkpoint: engine × scenarios, each engine in a fresh spawned process
+(tasks/launch.in_process_group), its start retried with less memory when it runs out (tasks/speed/retry.py).
 
 A fresh process per engine start means engines never share a CUDA context or allocator state, and a
 crash, an out-of-memory kill or a hang costs that run's results ("failed", with a one-line reason), not
@@ -9,12 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
-import multiprocessing
 import os
-import random
-import re
-import signal
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -24,7 +20,7 @@ from typing import Any, Literal
 from prefect import task
 
 from quantgate.catalog.schema import ScenarioSpec
-from quantgate.tasks import engines, faults
+from quantgate.tasks import engines, faults, launch
 from quantgate.tasks.engines import Engine, EngineOptions, RequestTiming
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import SpeedResult
@@ -36,160 +32,12 @@ from quantgate.tasks.roofline import (
     kv_bytes_per_token,
     roofline_fraction,
 )
+from quantgate.tasks.speed.checkpoint import text_config
+from quantgate.tasks.speed.errors import BenchmarkError
+from quantgate.tasks.speed.options import engine_options, resolve_device, wants_random_weights
+from quantgate.tasks.speed.prompts import make_prompt_sets
+from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.telemetry import Telemetry, device_name, measure_bandwidth_gbps
-
-
-class BenchmarkError(RuntimeError):
-    """A benchmark that cannot run as configured; the message is one line."""
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def engine_options(
-    scenario: ScenarioSpec,
-    device: str,
-    overrides: Mapping[str, Any] | None = None,
-    *,
-    dummy_weights: bool = False,
-) -> EngineOptions:
-    dtype = scenario.dtype if scenario.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    options = EngineOptions(
-        device=device,  # type: ignore[arg-type]
-        dtype=dtype,
-        seed=scenario.seed,
-        enable_prefix_caching=scenario.enable_prefix_caching,
-        max_model_len=scenario.model_len,
-        enforce_eager=scenario.enforce_eager,
-        dummy_weights=dummy_weights,
-        speculative_config=scenario.speculative.model_dump() if scenario.speculative else None,
-        tensor_parallel_size=scenario.tensor_parallel_size,
-        max_cudagraph_capture_size=scenario.max_cudagraph_capture_size,
-        compile=scenario.transformers_compile,
-    )
-    if scenario.gpu_memory_utilization is not None:
-        options = dataclasses.replace(options, gpu_memory_utilization=scenario.gpu_memory_utilization)
-    known = [f.name for f in dataclasses.fields(EngineOptions)]
-    if unknown := sorted(set(overrides or {}) - set(known)):
-        raise BenchmarkError(f"unknown engine option(s) {unknown}; known: {known}")
-    return dataclasses.replace(options, **(overrides or {}))
-
-
-def wants_random_weights(model_path: str | Path, scenario: ScenarioSpec) -> bool:
-    """A dummy-weights scenario on a folder without weight files: the engine initialises weights randomly.
-    A dummy checkpoint that has weight files (W4A16: vLLM's dummy loader would leave its packed
-    int32 weights uninitialised) loads them like any checkpoint."""
-    return scenario.weights == "dummy" and not any(Path(model_path).glob("*.safetensors"))
-
-
-# What vLLM 0.26 and torch say when the GPU memory does not fit the engine, its KV cache or
-# max_model_len (never in a healthy start's log).
-_OOM = re.compile(
-    r"CUDA out of memory|OutOfMemoryError|No available memory for the cache blocks"
-    r"|is less than desired GPU memory utilization|which is larger than the available KV cache memory",
-)
-# vLLM prefixes the lines of its engine-core process with "(EngineCore_DP0 pid=123) ".
-_EXCEPTION_LINE = re.compile(
-    r"^(?:\(\S+ pid=\d+\)\s+)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+)$", re.MULTILINE
-)
-
-
-def looks_like_oom(text: str | None) -> bool:
-    return bool(text and _OOM.search(text))
-
-
-def root_cause(log_text: str) -> str | None:
-    """The first exception line of a log: vLLM's engine core reports why it failed only there, and the
-    front end then raises a generic "Engine core initialization failed"."""
-    found = _EXCEPTION_LINE.search(log_text)
-    return found.group(1).strip()[:300] if found else None
-
-
-def fallback_options(options: EngineOptions, engine_name: str, needed_len: int) -> list[EngineOptions]:
-    """The options to try in order when an engine start runs out of GPU memory: as asked, then (vLLM)
-    a smaller gpu_memory_utilization, then also the smallest max_model_len the scenarios need."""
-    tries = [options]
-    if engine_name != "vllm":
-        return tries
-    lower = round(max(0.3, options.gpu_memory_utilization - 0.2), 2)
-    if lower < options.gpu_memory_utilization:
-        tries.append(dataclasses.replace(options, gpu_memory_utilization=lower))
-    if options.max_model_len and options.max_model_len > needed_len:
-        tries.append(dataclasses.replace(tries[-1], max_model_len=needed_len))
-    return tries
-
-
-def make_prompts(scenario: ScenarioSpec, tokenizer_path: str) -> list[list[int]]:
-    """num_prompts prompts of exactly input_len token ids, the same for every engine and variant.
-
-    Without a prompts_file: uniform random ids from the vocabulary minus special and added tokens, seeded
-    by scenario.seed. With one: prompt i is the first input_len tokens of the text starting at its
-    (i mod lines)-th non-empty line, continuing into the next lines when that line is too short.
-    With shared_prefix_len k, the first k tokens are the same in every prompt.
-    """
-    return make_prompt_sets(scenario, tokenizer_path, 1)[0]
-
-
-def make_prompt_sets(scenario: ScenarioSpec, tokenizer_path: str, passes: int) -> list[list[list[int]]]:
-    """The prompts of each of `passes` passes over a scenario. They are the same every pass, except that
-    with a shared prefix and random prompts each pass gets fresh tails: prefix caching may then reuse
-    the shared prefix from one pass to the next, never a whole prompt."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    k = scenario.shared_prefix_len
-    if scenario.prompts_file:
-        prompts = _file_prompts(Path(scenario.prompts_file), tokenizer, scenario.num_prompts, scenario.input_len)
-        if k:
-            prompts = [prompts[0][:k] + p[k:] for p in prompts]
-        return [prompts] * passes
-    excluded = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    pool = [i for i in range(len(tokenizer)) if i not in excluded]
-
-    def draw(rng: random.Random, n: int) -> list[int]:
-        return [rng.choice(pool) for _ in range(n)]
-
-    if not k:
-        rng = random.Random(scenario.seed)
-        return [[draw(rng, scenario.input_len) for _ in range(scenario.num_prompts)]] * passes
-    prefix = draw(random.Random(f"{scenario.seed}/prefix"), k)
-    sets = []
-    for n in range(passes):
-        rng = random.Random(f"{scenario.seed}/pass{n}")
-        sets.append([prefix + draw(rng, scenario.input_len - k) for _ in range(scenario.num_prompts)])
-    return sets
-
-
-def _file_prompts(path: Path, tokenizer: Any, num_prompts: int, input_len: int) -> list[list[int]]:
-    try:
-        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    except OSError as e:
-        raise BenchmarkError(f"prompts_file {path}: {e.strerror or e}") from None
-    if not lines:
-        raise BenchmarkError(f"prompts_file {path}: no non-empty lines")
-    encoded: dict[int, list[int]] = {}
-
-    def tokens(j: int) -> list[int]:
-        if j not in encoded:
-            encoded[j] = tokenizer(lines[j], add_special_tokens=False)["input_ids"]
-        return encoded[j]
-
-    prompts = []
-    for i in range(num_prompts):
-        ids: list[int] = []
-        for step in range(len(lines)):
-            ids += tokens((i + step) % len(lines))
-            if len(ids) >= input_len:
-                break
-        if len(ids) < input_len:
-            raise BenchmarkError(f"prompts_file {path}: the whole file has fewer than input_len={input_len} tokens")
-        prompts.append(ids[:input_len])
-    return prompts
 
 
 def engine_sessions(
@@ -254,7 +102,7 @@ def run_scenarios(
     if not scenarios:
         return []
     if serving := [name for name, s in scenarios if s.kind == "serving"]:
-        raise BenchmarkError(f"{serving[0]!r} is a serving scenario: run it with tasks.serving.serve_scenario")
+        raise BenchmarkError(f"{serving[0]!r} is a serving scenario: run it with tasks.speed.serving.serve_scenario")
     first_name, first = scenarios[0]
     device = resolve_device(first.device)
     dummy = wants_random_weights(model_path, first)
@@ -281,34 +129,31 @@ def run_scenarios(
         return results("skipped", why, opts)
 
     needed_len = max(s.input_len + s.output_len for _, s in scenarios)
-    attempts: list[dict[str, Any]] = []
     items = [s for _, s in scenarios]
     deadline = time.monotonic() + timeout_s
-    for used in fallback_options(opts, engine_name, needed_len):
-        remaining = deadline - time.monotonic() if attempts else timeout_s
-        log = Path(log_dir) / f"{engine_name}-{len(attempts)}.log" if log_dir and isolate else None
+
+    def start(used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
+        log = Path(log_dir) / f"{engine_name}-{tried}.log" if log_dir and isolate else None
         if isolate:
-            status, payload = _in_fresh_process(model_path, engine_name, items, used, remaining, log)
+            status, payload = launch.in_process_group(
+                _measure_group, (model_path, engine_name, items, used),
+                deadline - time.monotonic() if tried else timeout_s, log, name=f"quantgate-bench-{engine_name}",
+            )
         else:
             try:
                 status, payload = "ok", _measure_group(model_path, engine_name, items, used)
             except Exception as e:
                 status, payload = "failed", one_line(e)
-        if status == "ok":
-            break
-        log_text = log.read_text(errors="replace") if log and log.exists() else ""
-        if (cause := root_cause(log_text)) and cause not in payload:
-            payload = f"{payload} (cause: {cause})"
-        if not (looks_like_oom(payload) or looks_like_oom(log_text)) or time.monotonic() >= deadline:
-            break
-        attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
-                         "max_model_len": used.max_model_len, "error": payload})
+        return payload if status == "ok" else Failure(payload, log)
+
+    tried = retry_on_oom(fallback_options(opts, engine_name, needed_len), deadline, start)
+    used, attempts, payload = tried.used, tried.attempts, tried.value
     # Every row of the group shares these starts: the one load, and one more per out-of-memory retry.
-    details: dict[str, Any] = {"engine_starts": len(attempts) + 1}
+    details: dict[str, Any] = {"engine_starts": tried.engine_starts}
     if attempts:
         details["attempts"] = attempts
-    if status != "ok":
-        return results("failed", payload, used, details)
+    if payload is None:
+        return results("failed", tried.error, used, details)
 
     out = []
     for (name, scenario), (one_status, measured) in zip(scenarios, payload, strict=True):
@@ -391,97 +236,12 @@ def speed_environment() -> dict[str, Any]:
     return {"versions": versions, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
 
 
-def checkpoint_config(model_path: str | Path) -> dict[str, Any] | None:
-    """A checkpoint's config.json, or None when it cannot be read."""
-    try:
-        return json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def text_config(model_path: str | Path) -> dict[str, Any] | None:
-    """The language model's part of a checkpoint's config (a multimodal one's text_config)."""
-    config = checkpoint_config(model_path)
-    return None if config is None else config.get("text_config", config)
-
-
-def _in_fresh_process(
-    model_path: str,
-    engine_name: str,
-    scenarios: list[ScenarioSpec],
-    opts: EngineOptions,
-    timeout_s: float,
-    log: Path | None = None,
-) -> tuple[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    # Not a daemon: vLLM starts its own engine-core process, which daemons may not do.
-    proc = ctx.Process(
-        target=_child,
-        args=(sender, model_path, engine_name, scenarios, opts, str(log) if log else None),
-        name=f"quantgate-bench-{engine_name}",
-    )
-    proc.start()
-    sender.close()  # so the receiver sees EOF if the child dies without answering
-    try:
-        if not receiver.poll(timeout_s):
-            return "failed", f"timed out after {timeout_s:g} s"
-        try:
-            answer = receiver.recv()
-        except EOFError:
-            proc.join()
-            return "failed", _exit_reason(proc.exitcode)
-        proc.join(timeout=60)  # time for the engine to tear down
-        return answer
-    finally:
-        _kill_group(proc)
-        receiver.close()
-
-
-def _child(
-    sender: Any, model_path: str, engine_name: str, scenarios: list[ScenarioSpec], opts: EngineOptions, log: str | None
-) -> None:
-    # Its own process group, so the parent can also end what the engine started (vLLM's engine core).
-    os.setpgrp()
-    if log:
-        # At the descriptor level, so that processes the engine starts write there too.
-        Path(log).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    faults.point("measure")
-    try:
-        sender.send(("ok", _measure_group(model_path, engine_name, scenarios, opts)))
-    except BaseException as e:  # report whatever stops the run, then let the process end
-        sender.send(("failed", one_line(e)))
-    finally:
-        sender.close()
-
-
-def _kill_group(proc: multiprocessing.process.BaseProcess) -> None:
-    """End the child and anything left in its process group: a hung run must not keep holding the GPU."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
-    except (ProcessLookupError, PermissionError):  # already gone, or killed before it made its group
-        if proc.is_alive():
-            proc.kill()
-    proc.join()
-
-
-def _exit_reason(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        name = signal.Signals(-exitcode).name
-        hint = " (often the out-of-memory killer)" if name == "SIGKILL" else ""
-        return f"engine process was killed by {name}{hint} before reporting"
-    return f"engine process exited with code {exitcode} before reporting"
-
-
 def _measure_group(
     model_path: str, engine_name: str, scenarios: list[ScenarioSpec], opts: EngineOptions
 ) -> list[tuple[str, Any]]:
     """Load the engine once and measure each scenario: ("ok", measurements) or ("failed", reason) each.
     An exception here (the load) fails them all."""
+    faults.point("measure")  # in the engine's own process when isolated: where an interrupt test holds it
     prompt_sets = [make_prompt_sets(s, model_path, s.warmup + s.repetitions) for s in scenarios]
     engine = engines.create(engine_name)
     out: list[tuple[str, Any]] = []

@@ -1,6 +1,6 @@
 """The endpoint engine: any OpenAI-compatible server benchmarked by URL (vllm serve, SGLang, Ollama,
 TensorRT-LLM's server, transformers serve, a hosted API) with the serving client, scenarios and metrics
-of the built-in vLLM serving scenario (tasks/serving.py).
+of the built-in vLLM serving scenario (tasks/speed/serving.py).
 
 The server is not started here; what it is gets asked (`probe`): GET /version (vLLM, SGLang),
 /api/version (Ollama), /info (TGI), /v1/models (owned_by), plus the `server` response header and the
@@ -22,7 +22,10 @@ from typing import Any
 
 from quantgate.catalog.schema import EndpointSpec, ScenarioSpec
 from quantgate.tasks.records import SpeedResult
-from quantgate.tasks.serving import ServingError, ServingLoad, Slo, run_loads, summarize
+from quantgate.tasks.speed.client import ServingLoad
+from quantgate.tasks.speed.errors import ServingError
+from quantgate.tasks.speed.metrics import Slo, summarize
+from quantgate.tasks.speed.serving import run_loads
 
 ENGINE = "endpoint"
 # Paths that say what a server is, in the order asked, and where its name / version sit in the answer.
@@ -156,7 +159,7 @@ def endpoint_prompts(target: Target, scenario: ScenarioSpec, n: int) -> list[lis
     if target.tokenizer:
         from transformers import AutoTokenizer
 
-        from quantgate.tasks.benchmark import make_prompts
+        from quantgate.tasks.speed.prompts import make_prompts
 
         ids = make_prompts(scenario.model_copy(update={"num_prompts": n}), target.tokenizer)
         if target.prompt_format == "tokens":

@@ -1,5 +1,6 @@
 """Where work runs: in a fresh process (optionally seeing only some GPUs), in lanes (one per GPU), or several
-jobs at once on a shared device. The one place that owns process isolation for flows.
+jobs at once on a shared device. The one place that owns process isolation for flows, and for a speed
+measurement (in_process_group: a fresh process leading its own group, killed with all it started).
 
 Measured work (speed) takes a lane, so two measurements never share a GPU; work whose time is not measured
 (quantization, lm-eval, KL) may share one, up to `shared_slots` jobs at a time.
@@ -16,6 +17,7 @@ from collections import deque
 from contextlib import contextmanager
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 from quantgate.tasks.errors import one_line
@@ -190,3 +192,72 @@ def in_lanes(items: Iterable[T], lanes: Sequence[str | None], work: Callable[[T,
         raise
     finally:
         pool.shutdown(wait=True)
+
+
+def in_process_group(
+    fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, log: Path | None = None, name: str = "quantgate"
+) -> tuple[str, Any]:
+    """fn(*args) in a fresh spawned process that leads its own process group, its output (and that of what it
+    starts) to `log`: ("ok", what it returned), or ("failed", a one-line reason) when it raised, died, or did
+    not answer within `timeout_s`. The whole group is killed afterwards, so a hung run cannot keep holding the
+    GPU. This is how a speed measurement runs: an engine never shares a CUDA context or allocator state."""
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    # Not a daemon: vLLM starts its own engine-core process, which daemons may not do.
+    proc = ctx.Process(
+        target=_lead_group,
+        args=(sender, fn, args, str(log) if log else None),
+        name=name,
+    )
+    proc.start()
+    sender.close()  # so the receiver sees EOF if the child dies without answering
+    try:
+        if not receiver.poll(timeout_s):
+            return "failed", f"timed out after {timeout_s:g} s"
+        try:
+            answer = receiver.recv()
+        except EOFError:
+            proc.join()
+            return "failed", _exit_reason(proc.exitcode)
+        proc.join(timeout=60)  # time for the engine to tear down
+        return answer
+    finally:
+        _kill_group(proc)
+        receiver.close()
+
+
+def _lead_group(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...], log: str | None) -> None:
+    # Its own process group, so the parent can also end what the engine started (vLLM's engine core).
+    os.setpgrp()
+    if log:
+        # At the descriptor level, so that processes the engine starts write there too.
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        sender.send(("ok", fn(*args)))
+    except BaseException as e:  # report whatever stops the run, then let the process end
+        sender.send(("failed", one_line(e)))
+    finally:
+        sender.close()
+
+
+def _kill_group(proc: multiprocessing.process.BaseProcess) -> None:
+    """End the child and anything left in its process group: a hung run must not keep holding the GPU."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    except (ProcessLookupError, PermissionError):  # already gone, or killed before it made its group
+        if proc.is_alive():
+            proc.kill()
+    proc.join()
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        hint = " (often the out-of-memory killer)" if name == "SIGKILL" else ""
+        return f"engine process was killed by {name}{hint} before reporting"
+    return f"engine process exited with code {exitcode} before reporting"
+

@@ -7,7 +7,9 @@ from tests.shared_data import TINY_MODEL
 import torch
 
 from quantgate.catalog.schema import ScenarioSpec
-from quantgate.tasks.benchmark import BenchmarkError, make_prompts, run_scenario
+from quantgate.tasks.benchmark import run_scenario
+from quantgate.tasks.speed.errors import BenchmarkError
+from quantgate.tasks.speed.prompts import make_prompts
 from quantgate.tasks.engines import EngineOptions, create
 
 TINY = TINY_MODEL

@@ -20,7 +20,7 @@ import pytest
 
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks.endpoint import Target, _name_and_version, endpoint_prompts, scrub
-from quantgate.tasks.serving import free_port, start_server
+from quantgate.tasks.speed.server import free_port, start_server
 from quantgate.warehouse import store
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("openai") is None,

@@ -17,7 +17,9 @@ import torch
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks import engines
 from quantgate.tasks.benchmark import run_scenarios
+from quantgate.tasks.engines import EngineOptions
 from quantgate.tasks.engines.transformers import TransformersEngine
+from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.warehouse import store
 
 
@@ -83,6 +85,32 @@ def test_a_failure_that_is_not_out_of_memory_is_not_retried(tiny_model, monkeypa
     assert result.status == "failed" and result.reason == "ValueError: unknown quantization method 'foo'"
     assert "attempts" not in result.details
 
+
+
+def test_the_one_oom_retry_reads_the_cause_from_the_log_and_counts_every_start(tmp_path):
+    """The retry the offline engines, `vllm serve` and `vllm bench` share: an out-of-memory line found only in
+    the log counts, the log's first exception line is the reason's cause, and a ladder that runs out of options
+    has made exactly as many starts as it has options."""
+    log = tmp_path / "serve.log"
+    log.write_text("INFO starting\n(EngineCore_DP0 pid=7) ValueError: No available memory for the cache blocks.\n")
+    ladder = fallback_options(EngineOptions("cuda", "bfloat16", max_model_len=4096), "vllm", 96)
+    tried = retry_on_oom(ladder, float("inf"), lambda used, n: Failure("Engine core initialization failed", log))
+    assert [(o.gpu_memory_utilization, o.max_model_len) for o in ladder] == [(0.8, 4096), (0.6, 4096), (0.6, 96)]
+    assert tried.value is None and tried.exhausted and tried.engine_starts == len(tried.attempts) == 3
+    assert tried.error == ("Engine core initialization failed"
+                           " (cause: ValueError: No available memory for the cache blocks.)")
+    seen = []
+
+    def third_time_lucky(used, n):
+        seen.append(n)
+        return "measured" if n == 2 else Failure("torch.OutOfMemoryError: CUDA out of memory")
+
+    ok = retry_on_oom(ladder, float("inf"), third_time_lucky)
+    assert (ok.value, ok.used, ok.engine_starts, seen) == ("measured", ladder[2], 3, [0, 1, 2])
+    other = retry_on_oom(ladder, float("inf"), lambda used, n: Failure("ValueError: unknown quantization method"))
+    late = retry_on_oom(ladder, 0.0, lambda used, n: Failure("CUDA out of memory"))
+    assert (other.error, other.attempts, other.engine_starts) == ("ValueError: unknown quantization method", [], 1)
+    assert (late.used, late.attempts, late.engine_starts) == (ladder[0], [], 1)
 
 # --- which run a rerun resumes -------------------------------------------------------------------
 

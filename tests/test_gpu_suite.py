@@ -18,18 +18,14 @@ from tests.shapes import TINY_QWEN
 from quantgate.catalog.schema import ScenarioSpec, SuiteStep, load_gpu_suite
 from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps, select_steps
 from quantgate.tasks.launch import LaunchError, on_gpus
-from quantgate.tasks.benchmark import (
-    BenchmarkError,
-    engine_options,
-    fallback_options,
-    looks_like_oom,
-    make_prompt_sets,
-    root_cause,
-    run_scenarios,
-)
+from quantgate.tasks.benchmark import run_scenarios
+from quantgate.tasks.speed.errors import BenchmarkError
+from quantgate.tasks.speed.options import engine_options
+from quantgate.tasks.speed.prompts import make_prompt_sets
+from quantgate.tasks.speed.retry import fallback_options
 from quantgate.tasks.dummy_weights import QWEN25_7B_INSTRUCT, write_dummy_checkpoint
 from quantgate.tasks.engines import EngineOptions, create
-from quantgate.tasks.serving import vllm_cli_args
+from quantgate.tasks.speed.vllm_cli import looks_like_oom, root_cause, vllm_cli_args
 from quantgate.warehouse import store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,7 +202,7 @@ def test_scenarios_sharing_a_process_must_agree_on_engine_options(tiny_model):
     with pytest.raises(BenchmarkError, match="'a' and 'b' need different engine options"):
         run_scenarios(str(tiny_model), "transformers", [("a", a), ("b", a.model_copy(update={"enforce_eager": True}))])
     served = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[1])
-    with pytest.raises(BenchmarkError, match="'s' is a serving scenario: run it with tasks.serving.serve_scenario"):
+    with pytest.raises(BenchmarkError, match="'s' is a serving scenario: run it with tasks.speed.serving.serve_scenario"):
         run_scenarios(str(tiny_model), "vllm", [("s", served)])
 
 

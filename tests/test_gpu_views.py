@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
-from quantgate.tasks.serving import RequestRecord, ServingLoad, Slo
+from quantgate.tasks.speed.client import RequestRecord, ServingLoad
+from quantgate.tasks.speed.metrics import Slo
 from quantgate.warehouse import store
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from quantgate.tasks.records import (
     SpeedResult,
     VariantArtifact,
 )
-from quantgate.tasks.serving import RequestRecord, ServingLoad
+from quantgate.tasks.speed.client import RequestRecord, ServingLoad
 from quantgate.warehouse import report, store
 
 # name: (piqa acc, tokens/s, peak bytes, J/token, decision)

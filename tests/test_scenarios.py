@@ -14,7 +14,7 @@ from quantgate.catalog.schema import (
     load_gpu_suite,
 )
 from quantgate.flows.gpu_suite import GpuSuiteError, check_steps
-from quantgate.tasks.benchmark import engine_options
+from quantgate.tasks.speed.options import engine_options
 
 
 def _error(**fields) -> str:

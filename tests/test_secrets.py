@@ -110,7 +110,8 @@ def test_remote_code_is_off_unless_the_catalog_turns_it_on():
 
 
 def test_the_vllm_server_binds_to_loopback_unless_told_otherwise():
-    from quantgate.tasks.serving import start_server, vllm_serve_command
+    from quantgate.tasks.speed.server import start_server
+    from quantgate.tasks.speed.vllm_cli import vllm_serve_command
 
     host = inspect.signature(start_server).parameters["host"].default
     assert host == "127.0.0.1"

@@ -22,18 +22,12 @@ from aiohttp import web
 
 from tests.shapes import SMALL_QWEN
 from quantgate.tasks.dummy_weights import QWEN25_7B_INSTRUCT, write_dummy_checkpoint
-from quantgate.tasks.serving import (
-    RequestRecord,
-    ServingError,
-    Slo,
-    arrival_offsets,
-    free_port,
-    run_load,
-    start_server,
-    summarize,
-    vllm_bench_throughput,
-    vllm_serve_command,
-)
+from quantgate.tasks.speed.bench import vllm_bench_throughput
+from quantgate.tasks.speed.client import RequestRecord, arrival_offsets, run_load
+from quantgate.tasks.speed.errors import ServingError
+from quantgate.tasks.speed.metrics import Slo, summarize
+from quantgate.tasks.speed.server import free_port, start_server
+from quantgate.tasks.speed.vllm_cli import vllm_serve_command
 
 # Prompt-coded behaviour of the fake server: [OK, ttft_ms, gap_ms, tokens_per_chunk, ...] streams
 # normally; [HTTP_500] answers 500; [STREAM_ERROR] sends one token then vLLM's in-stream error event.

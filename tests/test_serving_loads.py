@@ -11,7 +11,9 @@ import time
 import pytest
 
 from quantgate.catalog.schema import ScenarioSpec
-from quantgate.tasks.serving import Slo, drive_loads, free_port, start_server
+from quantgate.tasks.speed.metrics import Slo
+from quantgate.tasks.speed.server import free_port, start_server
+from quantgate.tasks.speed.serving import drive_loads
 from quantgate.tasks.telemetry import Telemetry
 from quantgate.warehouse import store
 

@@ -16,16 +16,12 @@ import yaml
 from quantgate.catalog.schema import CatalogError, Policy, ScenarioSpec, SweepSpec, load_gpu_suite, sweep_label
 from quantgate.tasks.decide import decide
 from quantgate.tasks.records import SpeedResult, VariantArtifact
-from quantgate.tasks.serving import (
-    RequestRecord,
-    ServingLoad,
-    Slo,
-    has_weight_only_int_layers,
-    measured_from_dict,
-    measured_to_dict,
-    serve_sweep,
-    sweep_settings,
-)
+from quantgate.tasks.speed.checkpoint import has_weight_only_int_layers
+from quantgate.tasks.speed.client import RequestRecord, ServingLoad
+from quantgate.tasks.speed.metrics import Slo
+from quantgate.tasks.speed.serving import measured_from_dict, measured_to_dict
+from quantgate.tasks.speed.sweep import serve_sweep
+from quantgate.tasks.speed.vllm_cli import sweep_settings
 from quantgate.warehouse import report, store
 
 

@@ -26,7 +26,8 @@ from quantgate.tasks.records import (
 )
 
 if TYPE_CHECKING:
-    from quantgate.tasks.serving import ServingLoad, Slo
+    from quantgate.tasks.speed.client import ServingLoad
+    from quantgate.tasks.speed.metrics import Slo
 
 HERE = Path(__file__).resolve().parent
 MIGRATIONS = HERE / "migrations"
@@ -605,7 +606,7 @@ def record_serving(con, run_id: str, variant_uid: str, engine: str, scenario: st
 def record_measured(con, run_id: str, variant_uid: str,
                     measured: Sequence[tuple[SpeedResult, Sequence[ServingLoad]]]) -> None:
     """Speed rows and, for serving runs, their loads, judged against the SLO in the row's config, in one transaction."""
-    from quantgate.tasks.serving import Slo
+    from quantgate.tasks.speed.metrics import Slo
 
     with transaction(con):
         record_speed(con, run_id, variant_uid, [result for result, _ in measured])

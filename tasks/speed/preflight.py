@@ -1,0 +1,39 @@
+"""What a run on a vLLM process (`vllm serve`, `vllm bench`) settles before it starts one: its engine options,
+the builder of its result rows, and the row when it cannot run at all."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from quantgate.catalog.schema import ScenarioSpec
+from quantgate.tasks import engines
+from quantgate.tasks.engines import EngineOptions
+from quantgate.tasks.records import SpeedResult
+from quantgate.tasks.speed.options import engine_options, wants_random_weights
+
+
+def preflight(
+    engine: str, model_path: str, scenario_name: str, scenario: ScenarioSpec, options: dict[str, Any] | None
+) -> tuple[EngineOptions, Callable[..., SpeedResult], SpeedResult | None]:
+    """Options, a result builder for `engine`'s rows, and the skipped/failed row when it cannot run at all."""
+    device = "cuda"
+    opts = engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario))
+
+    def result(status: str, reason: str | None, used: EngineOptions, **measured: Any) -> SpeedResult:
+        config = {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
+        return SpeedResult(engine, scenario_name, status, reason, config, **measured)  # type: ignore[arg-type]
+
+    if (why := engines.availability("vllm", device)) is not None:
+        return opts, result, result("skipped", why, opts)
+    if not Path(model_path).is_dir():
+        return opts, result, result("failed", f"no model folder at {model_path}", opts)
+    from quantgate.tasks.loadtime import descriptor
+
+    if descriptor(model_path) is not None:
+        why = "a load-time (bitsandbytes) variant is measured by the offline engines only, not with vllm serve/bench"
+        return opts, result, result("skipped", why, opts)
+    return opts, result, None
+

@@ -1,0 +1,126 @@
+"""A `vllm serve` process (or any command serving the OpenAI API, for tests): started in its own session,
+ready once GET /health answers 200, stopped with every process it spawned."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantgate.tasks.speed.errors import ServingError
+from quantgate.tasks.speed.processes import end_group, log_tail, spawn_session
+from quantgate.tasks.speed.vllm_cli import vllm_serve_command
+
+
+@dataclass
+class ServerHandle:
+    """A server started by `start_server`, in its own process group so that stopping it also ends
+    the children it spawned (vLLM's engine-core and workers)."""
+
+    pid: int
+    base_url: str
+    model: str | None
+    log_path: Path
+    command: list[str]
+    process: subprocess.Popen = field(repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM the group, SIGKILL what is left after `grace_s`; returns the leader's exit code."""
+        end_group(self.process, grace_s)
+        return self.process.returncode
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    model_path: str,
+    *,
+    port: int,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+    served_model_name: str = "model",
+    log_path: str | Path | None = None,
+    ready_timeout_s: float = 900.0,
+    command: Sequence[str] | None = None,
+) -> ServerHandle:
+    """Start `vllm serve` (or `command`, for tests) and wait until GET /health answers 200.
+
+    `env` is added to the current environment. The log (stdout and stderr) goes to `log_path`.
+    On a timeout or an early exit the process group is ended and ServingError names the log's tail.
+    """
+    cmd = (
+        list(command)
+        if command is not None
+        else vllm_serve_command(
+            model_path, host=host, port=port, served_model_name=served_model_name, extra_args=extra_args
+        )
+    )
+    if not _port_free(host, port):
+        raise ServingError(f"port {port} on {host} is already in use; pick another (free_port() finds one)")
+    log = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-serve-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = spawn_session(cmd, log, env, append=True)
+    handle = ServerHandle(
+        pid=proc.pid,
+        base_url=f"http://{host}:{port}",
+        model=served_model_name if command is None else None,
+        log_path=log,
+        command=cmd,
+        process=proc,
+    )
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        if proc.poll() is not None:
+            end_group(proc, grace_s=5)  # children it left behind
+            raise ServingError(f"server exited with code {proc.returncode} before it was ready: {log_tail(log)}")
+        if _healthy(handle.base_url):
+            return handle
+        if time.monotonic() > deadline:
+            handle.stop()
+            raise ServingError(f"server not ready after {ready_timeout_s:.0f}s (log {log}): {log_tail(log)}")
+        time.sleep(0.5)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As uvicorn binds: connections lingering in TIME_WAIT do not count, a listener does.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+# No proxy: the server is on loopback, and an http_proxy in the environment must not catch the probe.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        with _DIRECT.open(f"{base_url}/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+

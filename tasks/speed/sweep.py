@@ -1,0 +1,140 @@
+"""The serving sweep: vLLM's settings that matter for a variant, each point a normal serving run (vLLM's
+defaults first), the tuned serving config being picked from their rows; points that cannot change the outcome
+are skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from quantgate.catalog.schema import ScenarioSpec, sweep_label
+from quantgate.tasks.records import SpeedResult
+from quantgate.tasks.speed.checkpoint import has_weight_only_int_layers
+from quantgate.tasks.speed.client import ServingLoad
+from quantgate.tasks.speed.errors import ServingError
+from quantgate.tasks.speed.serving import serve_scenario
+from quantgate.tasks.speed.vllm_cli import sweep_settings
+
+
+def moot_point(point: dict[str, Any], scenario: ScenarioSpec, defaults: SpeedResult) -> str | None:
+    """Why a sweep point cannot beat vLLM's defaults, as measured at the sweep's first point, or None.
+
+    When the defaults' KV cache holds every request of the highest load at once, nothing is preempted or
+    queued for cache room: an FP8 KV cache only adds room nobody needs, and a lower max_num_seqs can only
+    queue requests the defaults ran at once, which lowers goodput unless the defaults missed the SLO somewhere
+    (a smaller batch decodes each sequence faster). A cap at or above the highest concurrency changes nothing.
+    """
+    if defaults.status != "ok" or not defaults.kv_cache_tokens:
+        return None
+    sizes = scenario.load_sizes()
+    in_flight = max(n if rate is not None else min(c or n, n) for _, c, rate, n in sizes)
+    demand = in_flight * (scenario.input_len + scenario.output_len)
+    kv_whole = defaults.kv_cache_tokens >= demand
+    room = f"the defaults' KV cache ({defaults.kv_cache_tokens:,} tokens) held the highest load whole ({demand:,})"
+    if "max_num_seqs" in point and int(point["max_num_seqs"]) >= in_flight:
+        return f"max_num_seqs={point['max_num_seqs']} is at or above the most requests in flight ({in_flight})"
+    if set(point) - {"kv_cache_dtype", "max_num_seqs"} or not kv_whole:
+        return None
+    if "max_num_seqs" in point:
+        missed = [r["load"] for r in defaults.repetitions or []
+                  if r.get("good_requests") is not None and r["good_requests"] < r["completed"]]
+        if missed:
+            return None
+        return f"{room} and met the SLO at every load"
+    return room
+
+
+def sweep_row_name(scenario_name: str, point: dict[str, Any]) -> str:
+    return f"{scenario_name}@{sweep_label(point)}"
+
+
+def serve_sweep(
+    model_path: str,
+    scenario_name: str,
+    scenario: ScenarioSpec,
+    *,
+    work_dir: str | Path,
+    timeout_s: float = 900.0,
+    options: dict[str, Any] | None = None,
+    serve: Callable[..., tuple[SpeedResult, list[ServingLoad]]] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    on_point: Callable[[SpeedResult, list[ServingLoad]], None] | None = None,
+    min_point_s: float = 60.0,
+) -> list[tuple[SpeedResult, list[ServingLoad]]]:
+    """Every point of the scenario's sweep as its own serving run (vLLM's defaults first), each named
+    `<scenario>@<point>` with config.sweep = {scenario, point, settings, min_gain_pct}. Points the time does
+    not reach, and forced kernels on a checkpoint that has no layer for them, get a skipped row. `on_point`
+    gets each point as soon as it is done, so that a sweep cut short keeps the points it finished."""
+    if scenario.sweep is None:
+        raise ServingError(f"scenario {scenario_name!r} has no sweep")
+    serve = serve or serve_scenario
+    points = scenario.sweep.points()
+    plain = scenario.model_copy(update={"sweep": None})
+    # A forced kernel changes nothing on a checkpoint without mixed-precision layers: it would be the
+    # defaults served again, one more vLLM start.
+    no_kernels = has_weight_only_int_layers(model_path) is False
+    runs = [not ("kernel" in point and no_kernels) for point in points]
+    deadline = clock() + timeout_s
+    out: list[tuple[SpeedResult, list[ServingLoad]]] = []
+    for i, point in enumerate(points):
+        name = sweep_row_name(scenario_name, point)
+        tag = {"scenario": scenario_name, "point": sweep_label(point), "settings": point,
+               "min_gain_pct": scenario.sweep.min_gain_pct}
+        remaining = deadline - clock()
+        skip = None
+        if remaining <= 1:
+            skip = "sweep: the time was up before this point"
+        elif not runs[i]:
+            skip = (f"sweep: {sweep_label(point)} applies to weight-only quantized layers (W4A16-style);"
+                    " this checkpoint has none")
+        elif out and (why := moot_point(point, plain, out[0][0])):
+            skip = f"sweep: {sweep_label(point)} cannot change the outcome: {why}"
+            runs[i] = False
+        if skip:
+            config = {**plain.model_dump(mode="json"), "sweep": tag}
+            out.append((SpeedResult("vllm", name, "skipped", skip, config), []))
+            if on_point:
+                on_point(*out[-1])
+            continue
+        overrides, args, env = sweep_settings(point)
+        # A point may use what is left beyond a minimum kept for each later one (the first start compiles and
+        # is the slowest), and never less than an even share.
+        left = sum(runs[i:])
+        budget = max(remaining / left, remaining - (left - 1) * min_point_s)
+        result, loads = serve(model_path, name, plain, work_dir=Path(work_dir) / f"point{i:02d}",
+                              timeout_s=budget, options={**(options or {}), **overrides},
+                              extra_args=args, env=env)
+        out.append((dataclasses.replace(result, config={**result.config, "sweep": tag}), loads))
+        if on_point:
+            on_point(*out[-1])
+    return out
+
+
+def serve_variant(
+    model_path: str,
+    scenario_name: str,
+    scenario: ScenarioSpec,
+    *,
+    work_dir: str | Path,
+    timeout_s: float = 1800.0,
+    on_point: Callable[[SpeedResult, list[ServingLoad]], None] | None = None,
+) -> list[tuple[SpeedResult, list[ServingLoad]]]:
+    """A serving scenario on one checkpoint: one `vllm serve` run, or one per point of its sweep (the rows
+    the tuned serving config is picked from). `on_point` gets each run as soon as it is done."""
+    if scenario.sweep is not None:
+        return serve_sweep(model_path, scenario_name, scenario, work_dir=work_dir, timeout_s=timeout_s,
+                           on_point=on_point)
+    run = serve_scenario(model_path, scenario_name, scenario, work_dir=work_dir, timeout_s=timeout_s)
+    if on_point:
+        on_point(*run)
+    return [run]
+
+
+serving_task = task(serve_variant, name="serve", tags=["benchmark"], cache_policy=NO_CACHE)
+
