@@ -16,7 +16,9 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator,
+)
 
 CATALOG_DIR = Path(__file__).resolve().parent
 DEFAULT_CATALOG = CATALOG_DIR / "models.yaml"
@@ -209,29 +211,118 @@ def eval_data_root() -> Path:
     return Path(env).expanduser() if env else CATALOG_DIR.parents[1] / "shared" / "data" / "eval"
 
 
-class CalibrationSpec(Strict):
-    # None: simple_stories.txt under the eval data root.
-    text_file: str | None = None
+def default_kl_text() -> str:
+    """simple_stories.txt under the eval data root: the perplexity task's text."""
+    return str(eval_data_root() / "simple_stories" / "simple_stories.txt")
+
+
+class CalibrationSize(Strict):
+    """What every calibration set shares: its size in tokens of the model's own tokenizer (`samples` samples
+    of exactly `seq_len` tokens each) and the seed that orders its documents before they are packed."""
+
+    # The catalog's `calibrations:` key of a named set, filled in on load; errors name the set by it.
+    name: str | None = None
     samples: int = Field(default=32, ge=1)
     seq_len: int = Field(default=128, ge=8)
+    seed: int = 0
+
+
+class TextCalibration(CalibrationSize):
+    """Plain text: one file, or the files under a folder that match `glob`. None: the Python standard
+    library's own modules (sysconfig's stdlib folder), present and the same on every machine, offline."""
+
+    kind: Literal["text"] = "text"
+    path: str | None = None
+    glob: str = "*.py"
+
+
+class ChatCalibration(CalibrationSize):
+    """A JSONL file, one conversation per line: {"messages": [{"role": ..., "content": ...}, ...]}, rendered
+    with the model's own chat template."""
+
+    kind: Literal["chat"] = "chat"
+    path: str
+
+
+HOLDOUT_DATASETS = ("gsm8k", "mmlu", "hellaswag")
+
+
+class HoldoutSlice(Strict):
+    """Items [start, stop) of an offline eval set (per subject for mmlu): items a suite does not evaluate."""
+
+    dataset: Literal["gsm8k", "mmlu", "hellaswag"]
+    start: int = Field(ge=0)
+    stop: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _range(self) -> HoldoutSlice:
+        if self.stop is not None and self.stop <= self.start:
+            raise ValueError(f"stop {self.stop} must be above start {self.start}")
+        return self
+
+
+class EvalHoldoutCalibration(CalibrationSize):
+    """Question → answer conversations made from eval items outside what the suite evaluates, rendered with
+    the model's own chat template (or as plain text: `chat: false`); the overlap check refuses a slice that
+    reaches an evaluated item."""
+
+    kind: Literal["eval_holdout"] = "eval_holdout"
+    items: tuple[HoldoutSlice, ...] = Field(min_length=1)
+    # False: plain text (the question, then the answer), for a model without a chat template.
+    chat: bool = True
+
+
+def _calibration_kind(value: object) -> str | None:
+    # A mapping without `kind` is plain text, as calibration blocks were before there were kinds.
+    if isinstance(value, dict):
+        return value.get("kind", "text")
+    return getattr(value, "kind", None)
+
+
+CalibrationSpec = Annotated[
+    Annotated[TextCalibration, Tag("text")] | Annotated[ChatCalibration, Tag("chat")]
+    | Annotated[EvalHoldoutCalibration, Tag("eval_holdout")],
+    Discriminator(_calibration_kind),
+]
 
 
 class LocalTask(Strict):
     """An lm-eval task YAML shipped in catalog/lm_eval_tasks (or any folder given by path).
 
     `metadata` is merged over the task's own metadata (lm-eval's --metadata, for this task alone); tasks
-    built by code read their size from it, e.g. qg_passkey's context_words."""
+    built by code read their size from it, e.g. qg_passkey's context_words.
+
+    The protocol, as lm-eval's simple_evaluate takes it: `num_fewshot` (None: the suite's, else the task's
+    own), `apply_chat_template` (the model's chat template around every prompt) and `fewshot_as_multiturn`
+    (each few-shot example a user/assistant turn of its own, instead of one user turn holding them all)."""
 
     name: str
     include_path: str | None = None
     limit: int | None = Field(default=None, ge=1)
     metadata: dict[str, int | float | str | bool | list[int | float | str]] = {}
+    num_fewshot: int | None = Field(default=None, ge=0)
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+
+    @model_validator(mode="after")
+    def _multiturn_needs_chat(self) -> LocalTask:
+        if self.fewshot_as_multiturn and not self.apply_chat_template:
+            raise ValueError("fewshot_as_multiturn needs apply_chat_template: true (turns exist only in a chat)")
+        return self
 
 
 class SuiteSpec(Strict):
     tasks: tuple[LocalTask, ...]
     batch_size: int = Field(default=8, ge=1)
-    num_fewshot: int | None = None
+    num_fewshot: int | None = Field(default=None, ge=0)
+    # The text the variants' token-level KL divergence from the base is measured on. None: simple_stories.txt
+    # under the eval data root (the perplexity task's text). Never the calibration data: the overlap check
+    # refuses a calibration set that shares text with it.
+    kl_text: str | None = None
+
+    def num_fewshot_of(self, task: LocalTask) -> int | None:
+        """The few-shot count asked of `task`: its own, else the suite's (None: the task YAML's default)."""
+        return self.num_fewshot if task.num_fewshot is None else task.num_fewshot
 
 
 class SloSpec(Strict):
@@ -531,7 +622,8 @@ class ModelSpec(Strict):
     variants: tuple[str, ...]
     suite: str
     scenarios: tuple[str, ...] = ()
-    calibration: CalibrationSpec = CalibrationSpec()
+    # A calibration set inline, or (in the catalog file) the name of one of its `calibrations:`.
+    calibration: CalibrationSpec = TextCalibration()
     trust_remote_code: bool = False
     # A model's own acceptance policy (a file beside the catalog), e.g. to leave out a task it is at chance on.
     policy: Policy | None = None
@@ -633,6 +725,8 @@ class Catalog(Strict):
     # US$ per hour of one device, by the device name the speed rows store (NVML's, e.g. "NVIDIA H200"),
     # and "cpu" for rows measured on the CPU. Each run stores the table it used (run_prices).
     gpu_prices: dict[str, Annotated[float, Field(gt=0)]] = {}
+    # Named calibration sets that models refer to by name (`calibration: chat-holdout`).
+    calibrations: dict[str, CalibrationSpec] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -642,6 +736,27 @@ class Catalog(Strict):
             data["variants"] = {
                 k: ({"name": k, **v} if isinstance(v, dict) and "name" not in v else v) for k, v in data["variants"].items()
             }
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calibration_names(cls, data: dict) -> dict:
+        if not isinstance(data, dict):
+            return data
+        named = data.get("calibrations") or {}
+        if isinstance(named, dict):
+            named = {k: ({**v, "name": k} if isinstance(v, dict) else v) for k, v in named.items()}
+            data = {**data, "calibrations": named}
+        if isinstance(data.get("models"), list):
+            models = []
+            for i, m in enumerate(data["models"]):
+                if isinstance(m, dict) and isinstance(m.get("calibration"), str):
+                    if m["calibration"] not in named:
+                        raise ValueError(f"models.{i}.calibration: unknown calibration set {m['calibration']!r};"
+                                         f" defined: {sorted(named)}")
+                    m = {**m, "calibration": named[m["calibration"]]}
+                models.append(m)
+            data = {**data, "models": models}
         return data
 
     @model_validator(mode="after")
@@ -746,12 +861,14 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
             src = src.model_copy(update={"path": resolve(src.path)})
         elif isinstance(src, GgufSource) and src.path:
             src = src.model_copy(update={"path": resolve(src.path)})
-        text = resolve(m.calibration.text_file) or str(eval_data_root() / "simple_stories" / "simple_stories.txt")
-        calib = m.calibration.model_copy(update={"text_file": text})
+        calib = m.calibration
+        if isinstance(calib, TextCalibration | ChatCalibration):
+            calib = calib.model_copy(update={"path": resolve(calib.path)})
         models.append(m.model_copy(update={"source": src, "calibration": calib}))
     suites = {
         name: s.model_copy(
-            update={"tasks": tuple(t.model_copy(update={"include_path": resolve(t.include_path)}) for t in s.tasks)}
+            update={"tasks": tuple(t.model_copy(update={"include_path": resolve(t.include_path)}) for t in s.tasks),
+                    "kl_text": resolve(s.kl_text) or default_kl_text()}
         )
         for name, s in catalog.suites.items()
     }

@@ -28,12 +28,13 @@ from quantgate.flows.inputs import model_inputs
 from quantgate.tasks import faults, launch
 from quantgate.tasks.benchmark import speed_environment
 from quantgate.tasks.caching import build_cached, download_cached
+from quantgate.tasks.calibration import CalibrationError, check_calibration_task
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_reports_task
 from quantgate.tasks.download import DownloadError
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
-from quantgate.tasks.quantize import CalibrationError, base_variant, lib_versions, variant_from_row
+from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
 from quantgate.warehouse import store
 
@@ -229,7 +230,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # vLLM's compile cache in the work dir: every engine start of the same shape, in any run, reuses it.
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
     run.totals = {"quantize": len(spec.variants), "evaluate": 1 + len(spec.variants), "benchmark": 1}
-    model = _download(run, spec, root)
+    model = _download(run, spec, root, cat)
     base = base_variant(model)
     suite = cat.suites[spec.suite]
     setup = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
@@ -244,7 +245,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
     variants_ok = [v for v, usable in built if usable]
 
-    _kl(run, base, variants_ok, spec, setup)
+    _kl(run, base, variants_ok, suite, setup)
 
     checkpoints = [base, *variants_ok]
     _benchmark(run, checkpoints, spec, cat, root, gpu_deployment, engines, remeasure, lanes)
@@ -256,7 +257,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     return model.sha
 
 
-def _download(run: _Run, spec: ModelSpec, root: Path) -> ModelArtifact:
+def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArtifact:
     def stored(con: Any) -> ModelArtifact | None:
         model = store.model_of(con, run.done.get(("download", "")) or "")
         return model if model is not None and (Path(model.path) / "config.json").is_file() else None  # gone: fetch again
@@ -267,8 +268,14 @@ def _download(run: _Run, spec: ModelSpec, root: Path) -> ModelArtifact:
             store.record_variant(con, run.run_id, base_variant(model), role="base")
         return model.uid
 
-    return run.step("download", "", stored=stored, compute=lambda: download_cached(spec, root), write=write,
-                    label=spec.id)
+    def download() -> ModelArtifact:
+        model = download_cached(spec, root)
+        # Before anything of the model is stored: calibration sharing text with what is evaluated is refused.
+        if any(cat.variants[n].needs_calibration for n in spec.variants):
+            check_calibration_task(spec.calibration, model.path, cat.suites[spec.suite])
+        return model
+
+    return run.step("download", "", stored=stored, compute=download, write=write, label=spec.id)
 
 
 def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spec: ModelSpec, root: Path,
@@ -334,10 +341,10 @@ def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, 
     return True
 
 
-def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], spec: ModelSpec, setup: EvalSetup) -> None:
-    """Token-level KL of each variant's next-token distribution from the base's, on the perplexity text: the
+def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite: SuiteSpec, setup: EvalSetup) -> None:
+    """Token-level KL of each variant's next-token distribution from the base's, on the suite's KL text: the
     base loaded once, each variant in turn; each variant's rows stored with its own mark."""
-    kl_text = spec.calibration.text_file
+    kl_text = suite.kl_text
     key = kl_eval_key(kl_text, dtype=setup.dtype)
     todo = [v for v in variants if not run.is_done("kl", v.uid)]
     stored = {v.uid for v in todo if run.read(lambda con, v=v: store.has_quality(con, v.uid, key))}

@@ -27,6 +27,7 @@ from prefect.states import State
 
 from quantgate.catalog.schema import CalibrationSpec, GgufSource, HubSource, LocalSource, ModelSpec, VariantSpec
 from quantgate.tasks import download, quantize
+from quantgate.tasks.calibration import load_calibration
 from quantgate.tasks.records import ModelArtifact, VariantArtifact
 
 CACHE_DIR = "cache"
@@ -69,7 +70,7 @@ def quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec
         _, recipe_hash = quantize.recipe_for(spec)
         calibration = None
         if spec.needs_calibration:
-            calibration = quantize.calibration_fingerprint(quantize.load_calibration(calib), calib.seq_len)
+            calibration = load_calibration(calib, model.path).fingerprint
         uid = quantize.variant_uid(model, recipe_hash, quantize.lib_versions(), calibration)
     # The name is part of the key: the artifact carries it, and two names may share one recipe.
     return f"quantize-{uid}-{_digest([spec.name, model.uid])[:8]}"

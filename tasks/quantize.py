@@ -28,8 +28,9 @@ from safetensors import safe_open
 
 from quantgate.catalog.schema import CalibrationSpec, VariantSpec
 from quantgate.tasks import faults, launch
+from quantgate.tasks.calibration import load_calibration
 from quantgate.tasks.errors import one_line
-from quantgate.tasks.records import ModelArtifact, VariantArtifact
+from quantgate.tasks.records import CalibrationSamples, ModelArtifact, VariantArtifact
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,6 @@ MARKER = ".quantgate-variant.json"
 UID_LIBS = ("llmcompressor", "compressed-tensors", "transformers")
 # A load-time (bitsandbytes) variant is made by these at every load.
 LOAD_TIME_LIBS = ("bitsandbytes", "transformers")
-
-
-class CalibrationError(RuntimeError):
-    """Calibration text that cannot be read or is empty; the message is one line."""
 
 
 def lib_versions() -> dict[str, str]:
@@ -81,10 +78,6 @@ def variant_uid(
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def calibration_fingerprint(texts: list[str], seq_len: int) -> str:
-    return hashlib.sha256(json.dumps([seq_len, texts]).encode()).hexdigest()
-
-
 def weights_bytes(folder: str | Path) -> int:
     folder = Path(folder)
     files = [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]
@@ -105,22 +98,6 @@ def base_variant(model: ModelArtifact) -> VariantArtifact:
         recipe_hash=None,
         size_bytes=weights_bytes(model.path),
     )
-
-
-def load_calibration(calib: CalibrationSpec) -> list[str]:
-    """`calib.samples` texts of `calib.seq_len` words each, spread evenly over the file (wrapping
-    around when it is short). A word is at least one token for common tokenizers, so each text
-    covers seq_len tokens; the quantizer cuts them to exactly seq_len."""
-    path = Path(calib.text_file)
-    try:
-        words = path.read_text(encoding="utf-8").split()
-    except OSError as e:
-        raise CalibrationError(f"calibration text {path}: cannot read ({e.strerror or e})") from None
-    if not words:
-        raise CalibrationError(f"calibration text {path}: file is empty")
-    n = len(words)
-    starts = [i * n // calib.samples for i in range(calib.samples)]
-    return [" ".join(words[(s + j) % n] for j in range(calib.seq_len)) for s in starts]
 
 
 def _nonfinite_tensor(folder: Path) -> str | None:
@@ -224,7 +201,7 @@ def variant_from_row(row: dict[str, Any], spec: VariantSpec) -> VariantArtifact 
     )
 
 
-def quantize_measured(model_path: Path, spec: VariantSpec, texts: list[str], seq_len: int, out: Path) -> int:
+def quantize_measured(model_path: Path, spec: VariantSpec, samples: CalibrationSamples | None, out: Path) -> int:
     """llm-compressor's build of `spec` into `out`; returns the peak memory it took (GPU allocator, else the
     process's resident set: on a CPU that is the process's peak so far, not this build's alone)."""
     from quantgate.tasks.quantizers.llmcompressor import quantize
@@ -232,7 +209,7 @@ def quantize_measured(model_path: Path, spec: VariantSpec, texts: list[str], seq
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    quantize(model_path, spec, texts, seq_len, out)
+    quantize(model_path, spec, samples, out)
     return _peak_memory_bytes(on_gpu)
 
 
@@ -259,9 +236,8 @@ def build_variant(
         return build_load_time(model, spec, out_root, existing)
     versions = lib_versions()
     recipe, recipe_hash = recipe_for(spec)
-    texts = load_calibration(calib) if spec.needs_calibration else []
-    calibration = calibration_fingerprint(texts, calib.seq_len) if spec.needs_calibration else None
-    uid = variant_uid(model, recipe_hash, versions, calibration)
+    samples = load_calibration(calib, model.path) if spec.needs_calibration else None
+    uid = variant_uid(model, recipe_hash, versions, samples.fingerprint if samples else None)
     out_root = Path(out_root)
     final = out_root / uid
 
@@ -290,9 +266,9 @@ def build_variant(
         if on_gpu:
             # A process of its own: builds of one model then run side by side on the GPU (llm-compressor keeps
             # one global session per process), and each build's peak memory is its own.
-            peak = launch.on_gpus(None, None, quantize_measured, Path(model.path), spec, texts, calib.seq_len, tmp)
+            peak = launch.on_gpus(None, None, quantize_measured, Path(model.path), spec, samples, tmp)
         else:
-            peak = quantize_measured(Path(model.path), spec, texts, calib.seq_len, tmp)
+            peak = quantize_measured(Path(model.path), spec, samples, tmp)
         faults.point("quantize")
         bad = _nonfinite_tensor(tmp)
         error = None if bad is None else f"saved weights contain NaN/Inf in {bad}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -52,6 +54,32 @@ class VariantArtifact:
     @property
     def ok(self) -> bool:
         return self.status == "built"
+
+
+@dataclass(frozen=True)
+class CalibrationSamples:
+    """A calibration set as it reaches the quantizer: `input_ids` of exactly `seq_len` tokens each, rendered
+    (chat template) and tokenized once by the model's own tokenizer; `label` names the set."""
+
+    label: str
+    seq_len: int
+    input_ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over every sample's content hash: any change of data, template, tokenizer or size changes it."""
+        digests = [hashlib.sha256(json.dumps(ids).encode()).hexdigest() for ids in self.input_ids]
+        return hashlib.sha256(json.dumps([self.seq_len, digests]).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class LocalTaskConfig:
+    """One leaf lm-eval task of a local YAML (a group's member, or the task itself) as lm-eval merges its
+    config (includes first, own keys win; each !function as {"!function": name, "sha256": ...})."""
+
+    name: str
+    yaml_path: str
+    config: dict[str, Any]
 
 
 @dataclass(frozen=True)

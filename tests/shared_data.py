@@ -7,3 +7,21 @@ REPO = Path(__file__).resolve().parents[1]
 # ../shared/data beside the checkout; the device scripts point this at a carried copy.
 SHARED = Path(os.environ.get("QUANTGATE_SHARED_DATA", REPO.parent / "shared" / "data"))
 TINY_MODEL = SHARED / "models" / "stories260k-i256"
+
+# A minimal chat template (the tiny model has none): each turn "<|role|>\ncontent\n".
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def with_chat_template(folder: Path) -> Path:
+    """A copy of the tiny model in `folder` whose tokenizer has CHAT_TEMPLATE, for chat-protocol tests."""
+    import json
+    import shutil
+
+    shutil.copytree(TINY_MODEL, folder, copy_function=shutil.copyfile)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder

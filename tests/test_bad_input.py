@@ -24,9 +24,11 @@ import pytest
 from quantgate.flows import cli
 from quantgate.warehouse import store
 from tests.cli_runs import CLI, checksums, error_lines, run_cli, tables
-from tests.shared_data import TINY_MODEL
+from tests.shared_data import SHARED, TINY_MODEL
 from tests.test_download import FakeHub, online, use_endpoint  # noqa: F401 - `online` is a fixture
 from tests.test_warehouse import seed_run
+
+STORIES = SHARED / "eval" / "simple_stories" / "simple_stories.txt"
 
 CATALOG = """
 version: 1
@@ -39,6 +41,7 @@ models:
     source: {{kind: local, path: {path}}}
     variants: [rtn-w8a16]
     suite: stories
+    calibration: {calibration}
 policy:
   version: 1
   quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.95, higher_is_better: false}}]
@@ -46,9 +49,9 @@ policy:
 
 
 def write_catalog(tmp: Path, name: str = "catalog.yaml", method: str = "rtn", scheme: str = "W8A16",
-                  path: Path = TINY_MODEL) -> Path:
+                  path: Path = TINY_MODEL, calibration: str = "{samples: 4, seq_len: 32}") -> Path:
     p = tmp / name
-    p.write_text(CATALOG.format(method=method, scheme=scheme, path=path))
+    p.write_text(CATALOG.format(method=method, scheme=scheme, path=path, calibration=calibration))
     return p
 
 
@@ -125,6 +128,10 @@ CASES = [
      "is not a model folder (no config.json)", True),
     ("unsupported architecture", lambda tmp, cat: ["-c", str(cat), str(encoder_only(tmp))],
      "architecture BertModel is not supported", True),
+    ("calibration on the evaluated text",
+     lambda tmp, cat: ["-c", str(write_catalog(tmp, "calib.yaml", method="gptq", scheme="W4A16",
+                                               calibration=f"{{path: {STORIES}, samples: 2, seq_len: 64}}")), "tiny"],
+     f"calibration set text {STORIES} overlaps", True),
 ]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from quantgate.catalog.schema import CalibrationSpec, LocalSource, ModelSpec, VariantSpec
+from quantgate.catalog.schema import LocalSource, ModelSpec, TextCalibration, VariantSpec
 from quantgate.tasks import quantize
 from quantgate.tasks.caching import CACHE_DIR, build_cached, download_cached, download_key, quantize_key
 
@@ -25,7 +25,7 @@ def fetch_and_build(model_path: str, root: str) -> tuple:
 
     spec = ModelSpec(id="tiny", source=LocalSource(path=model_path), variants=("int8-w8a16",), suite="s")
     model = download_cached(spec, Path(root))
-    variant = build_cached(model, INT8, CalibrationSpec(), Path(root))
+    variant = build_cached(model, INT8, TextCalibration(), Path(root))
     return str(flow_run.id), model, variant
 
 
@@ -49,10 +49,10 @@ def test_second_run_is_served_from_the_cache_and_a_deleted_build_is_rebuilt(tiny
     # The cache key is the variant uid: model sha + recipe hash + quantizer library versions.
     _, recipe_hash = quantize.recipe_for(INT8)
     uid = quantize.variant_uid(model, recipe_hash, quantize.lib_versions())
-    assert built.uid == uid and quantize_key(model, INT8, CalibrationSpec()).startswith(f"quantize-{uid}-")
+    assert built.uid == uid and quantize_key(model, INT8, TextCalibration()).startswith(f"quantize-{uid}-")
     keys = sorted(p.name for p in (root / CACHE_DIR / "keys").iterdir())
     spec = ModelSpec(id="tiny", source=LocalSource(path=str(tiny_model)), variants=(), suite="s")
-    assert keys == sorted([download_key(spec, root / "models"), quantize_key(model, INT8, CalibrationSpec())])
+    assert keys == sorted([download_key(spec, root / "models"), quantize_key(model, INT8, TextCalibration())])
 
     run2, model2, again = fetch_and_build(str(tiny_model), str(root))
     assert task_states(run2) == {"download tiny": ["Cached"], "quantize tiny/int8-w8a16": ["Cached"]}

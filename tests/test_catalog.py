@@ -27,7 +27,9 @@ def test_default_catalog_loads_and_resolves_paths():
     tiny = cat.model("stories260k")
     assert Path(tiny.source.path).is_absolute()
     assert tiny.source.path.endswith("shared/data/models/stories260k-i256")
-    assert Path(tiny.calibration.text_file).name == "simple_stories.txt"
+    # Calibration is the standard library's text; the KL text is the perplexity task's stories, never the same.
+    assert tiny.calibration.kind == "text" and tiny.calibration.path is None
+    assert Path(cat.suites[tiny.suite].kl_text).name == "simple_stories.txt"
     assert cat.variants["awq-w4a16-g32"].bits == 4 and cat.variants["rtn-w2a16-g32"].bits == 2
     assert len(cat.policy.hash) == 64
     assert [g.metric for g in tiny.policy.quality] == ["bits_per_byte"]  # its own policy file

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from quantgate.catalog.schema import CalibrationSpec, VariantSpec
+from quantgate.catalog.schema import TextCalibration, VariantSpec
 from quantgate.tasks.divergence import DivergenceError, kl_divergence, kl_eval_key, kl_report
 from quantgate.tasks.quantize import build_variant
 from quantgate.tasks.records import ModelArtifact
@@ -31,7 +31,7 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     model = ModelArtifact(model_id=TINY_MODEL.name, path=str(TINY_MODEL), source="local", revision=None, sha="kl-test")
-    calib = CalibrationSpec(text_file=str(STORIES), samples=4, seq_len=32)
+    calib = TextCalibration(samples=4, seq_len=32)  # rtn: not calibrated
     out = tmp_path_factory.mktemp("kl-variants")
     paths = {}
     for bits in (4, 2):

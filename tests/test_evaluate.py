@@ -2,7 +2,7 @@ import math
 from pathlib import Path
 
 import pytest
-from tests.shared_data import SHARED
+from tests.shared_data import SHARED, with_chat_template
 
 from quantgate.catalog.schema import LocalTask, SuiteSpec
 from quantgate.tasks.evaluate import eval_key, evaluate_variant
@@ -86,6 +86,43 @@ def test_eval_key_follows_what_changes_the_numbers(tmp_path):
     assert eval_key(suite, "hf") == first
     task_file.write_text(f'include: {base}\ntask: my_piqa\ndoc_to_text: "Goal: {{{{goal}}}}\\nA:"\n')
     assert eval_key(suite, "hf") != first
+
+
+CHAT_GSM8K = LocalTask(name="qg_gsm8k_cot", limit=2, num_fewshot=2, apply_chat_template=True, fewshot_as_multiturn=True)
+
+
+def test_the_protocol_is_part_of_the_eval_key():
+    plain = SuiteSpec(tasks=(LocalTask(name="qg_gsm8k_cot", limit=2),))
+    keys = {eval_key(plain, "hf")} | {
+        eval_key(SuiteSpec(tasks=(plain.tasks[0].model_copy(update=change),)), "hf")
+        for change in ({"num_fewshot": 2}, {"apply_chat_template": True},
+                       {"apply_chat_template": True, "fewshot_as_multiturn": True})
+    }
+    assert len(keys) == 4
+    # A protocol left at its defaults keeps the key an evaluation had before protocols existed.
+    assert eval_key(SUITE, "hf") == eval_key(SuiteSpec(tasks=tuple(
+        LocalTask(name=t.name, limit=t.limit, num_fewshot=None, apply_chat_template=False) for t in SUITE.tasks
+    ), batch_size=8), "hf")
+
+
+def test_chat_few_shot_protocol_reaches_lm_eval(tmp_path):
+    chat_model = with_chat_template(tmp_path / "chat")
+    suite = SuiteSpec(tasks=(CHAT_GSM8K, LocalTask(name="qg_piqa", limit=4)))
+    report = evaluate_variant(str(chat_model), suite)
+    assert report.status == "ok", report.error
+    assert report.config["protocols"] == {"qg_gsm8k_cot": "2-shot, chat, multiturn", "qg_piqa": "0-shot"}
+    # The prompt as the model got it: two worked examples as turns of their own, then the question.
+    prompt = report.config["example_prompts"]["qg_gsm8k_cot"]
+    assert prompt.startswith("<|user|>\nQuestion: Janet") and prompt.count("<|user|>\nQuestion:") == 3
+    assert prompt.count("<|assistant|>\n") == 3 and prompt.count("\n#### ") == 2 and prompt.endswith("<|assistant|>\n")
+    assert "Question:" in report.config["example_prompts"]["qg_piqa"]
+    strict = [m for m in report.metrics if m.task == "qg_gsm8k_cot" and m.filter == "strict-match"]
+    assert [m.n_samples for m in strict] == [2]
+
+
+def test_chat_protocol_on_a_model_without_a_chat_template_fails_with_one_line():
+    report = evaluate_variant(str(MODEL), SuiteSpec(tasks=(CHAT_GSM8K,)))
+    assert report.status == "failed" and "has no chat template" in report.error and "\n" not in report.error
 
 
 def test_unknown_task_fails_with_one_line():

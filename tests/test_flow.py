@@ -67,7 +67,7 @@ def test_first_run_stores_every_stage(two_runs):
         assert len(vllm) == 5 and all(r["status"] == "skipped" and "vllm" in r["reason"] for r in vllm)
 
 
-def test_policy_accepts_good_4bit_and_rejects_2bit_on_confidence_bounds(two_runs):
+def test_policy_judges_4bit_and_rejects_2bit_on_confidence_bounds(two_runs):
     _, first, _, _ = two_runs
     card = {r["variant"]: r for r in first}
     w2 = card["rtn-w2a16-g32"]
@@ -85,10 +85,13 @@ def test_policy_accepts_good_4bit_and_rejects_2bit_on_confidence_bounds(two_runs
         assert row["speedup"] is not None and row["speedup_basis"] == "transformers/tiny-offline"
         assert "95% CI [" in row["reason"] and row["min_detectable_drop"] is not None
     # Its own policy (catalog/policy-tiny.yaml) gates cross-entropy only: the model is at chance on piqa.
+    # Calibrated on text no suite evaluates (the standard library), 4-bit GPTQ of this 260K-parameter model
+    # keeps ~94% of its cross-entropy on the stories: not accepted at 0.95. (It was, at 0.967, while it was
+    # calibrated on the very stories it is scored on.)
     gptq = card["gptq-w4a16-g32"]
-    assert gptq["decision"] == "accept", gptq["reason"]
-    assert gptq["quality_lower_bound"] >= 0.95
-    assert gptq["reason"].startswith("accept: qg_simple_stories/bits_per_byte recovery")
+    assert gptq["decision"] in ("reject", "inconclusive"), gptq["reason"]
+    assert gptq["quality_lower_bound"] < 0.95 and 0.9 < gptq["quality_recovery"] < 0.96
+    assert gptq["reason"].startswith(f"{gptq['decision']}: qg_simple_stories/bits_per_byte recovery")
 
 
 def test_bitsandbytes_nf4_goes_through_every_stage_on_cpu(two_runs):

@@ -8,19 +8,17 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.shared_data import SHARED
+from tests.shared_data import SHARED, with_chat_template
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from quantgate.catalog.schema import CalibrationSpec, VariantSpec
+from quantgate.catalog.schema import ChatCalibration, TextCalibration, VariantSpec
 from quantgate.tasks.quantize import (
     MARKER,
-    CalibrationError,
     base_variant,
     build_variant,
     lib_versions,
-    load_calibration,
     recipe_for,
     variant_uid,
 )
@@ -55,8 +53,8 @@ def model() -> ModelArtifact:
 
 
 @pytest.fixture(scope="module")
-def calib() -> CalibrationSpec:
-    return CalibrationSpec(text_file=str(STORIES), samples=16, seq_len=64)
+def calib() -> TextCalibration:
+    return TextCalibration(path=str(STORIES), samples=10, seq_len=160)  # one sample per story
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +109,6 @@ def test_variant_uid_depends_on_model_recipe_and_versions(model):
     assert uid != variant_uid(model, "r1", versions, calibration="c1")
 
 
-def test_load_calibration_spreads_samples_of_seq_len_words(calib, tmp_path):
-    texts = load_calibration(calib)
-    assert len(texts) == 16 and len(set(texts)) == 16
-    assert all(len(t.split()) == 64 for t in texts)
-    short = tmp_path / "short.txt"
-    short.write_text("one two three")
-    assert len(load_calibration(CalibrationSpec(text_file=str(short), samples=4, seq_len=8))) == 4
-    with pytest.raises(CalibrationError, match="cannot read") as err:
-        load_calibration(CalibrationSpec(text_file=str(tmp_path / "missing.txt")))
-    assert "\n" not in str(err.value)
-
-
 def test_base_variant_points_at_the_model(model):
     base = base_variant(model)
     assert base.uid == f"{model.uid}:base" and base.method == "base" and base.path == str(TINY)
@@ -149,6 +135,21 @@ def test_build_reloads_and_generates_like_base(method, model, calib, out_root, t
     print(f"{method}: {same:.0%} of 20 greedy tokens match base: {tokenizer.decode(tokens)!r}")
     # Seen: GPTQ matches all 20 tokens, AWQ the first 14 (then a different but fluent ending).
     assert tokens[:10] == base_tokens[:10] and same >= 0.6
+
+
+def test_chat_calibration_calibrates_the_build_and_keys_its_uid(calib, tmp_path):
+    # The same checkpoint (and sha) with a chat template: only the calibration set differs between the builds.
+    chat_model = _artifact(with_chat_template(tmp_path / "chat-model"), "fixed-test-sha-i256")
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"What comes after {i}?"},
+                                      {"role": "assistant", "content": f"After {i} comes {i + 1}."}]})
+             for i in range(200)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines))
+    chat = ChatCalibration(path=str(tmp_path / "chat.jsonl"), samples=16, seq_len=64)
+    spec = VariantSpec(name="gptq-w4a16-g32", method="gptq", scheme="W4A16", group_size=32)
+    from_chat = build_variant(chat_model, spec, chat, tmp_path / "variants")
+    from_text = build_variant(chat_model, spec, calib, tmp_path / "variants")
+    assert from_chat.status == from_text.status == "built", (from_chat.error, from_text.error)
+    assert from_chat.uid != from_text.uid and not from_text.reused
 
 
 def test_same_spec_is_reused_without_rebuilding(model, calib, out_root):

@@ -55,6 +55,21 @@ def test_migrations_apply_once_and_views_compute(tmp_path):
         assert con.execute("SELECT count(*) FROM schema_migrations").fetchone()[0] == len(store._migrations())
 
 
+def test_each_number_shows_the_protocol_it_was_asked_with(tmp_path):
+    with store.session(tmp_path / "w.duckdb") as con:
+        seed_run(con, "r1")  # evaluations stored without protocols: shown as NULL
+        assert {r["protocol"] for r in store.rows(con, "SELECT protocol FROM variant_recovery")} == {None}
+        store.start_run(con, "r2", "evaluate-model", "m", "c.yaml", "h", "host", {})
+        store.record_variant(con, "r2", _variant("base", "base", method="base", size=400), "base")
+        store.record_variant(con, "r2", _variant("v1", "gptq-w4a16-g32"), "variant")
+        protocols = {"protocols": {"qg_piqa": "5-shot, chat, multiturn", "qg_simple_stories": "0-shot"}}
+        for uid, ppl in (("base", 3.0), ("v1", 4.0)):
+            report = _quality("k2", ppl, 0.6)
+            store.record_quality(con, "r2", uid, QualityReport(**{**report.__dict__, "config": protocols}))
+        shown = {r["task"]: r["protocol"] for r in store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = 'r2'")}
+        assert shown == protocols["protocols"]
+
+
 def test_views_are_recreated_only_when_their_sql_changes(tmp_path, monkeypatch):
     import shutil
 

@@ -23,14 +23,15 @@ from typing import Any, Literal
 
 import yaml
 
-from quantgate.catalog.schema import LOCAL_TASKS_DIR, SuiteSpec
+from quantgate.catalog.schema import LOCAL_TASKS_DIR, LocalTask, SuiteSpec
 from quantgate.tasks.errors import one_line
-from quantgate.tasks.records import MetricResult, QualityReport, SampleResult
+from quantgate.tasks.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
 
 log = logging.getLogger(__name__)
 
 EVALUATOR = "lm-eval"
 DATA_ENV = "QUANTGATE_EVAL_DATA"  # read by catalog/lm_eval_tasks/utils.py inside the evaluation process
+PROMPT_CHARS = 8000  # of each example prompt kept in the eval config
 BOOTSTRAP_ITERS = 1000  # lm-eval's default (100,000) makes bootstrapped stderrs (bleu, ...) take minutes
 
 Backend = Literal["hf", "vllm"]
@@ -54,9 +55,22 @@ def eval_key(suite: SuiteSpec, backend: Backend, dtype: str = "float32") -> str:
         "num_fewshot": suite.num_fewshot,
         "tasks": [{"name": t.name, "limit": t.limit, "config": _resolved_config(t.name, index),
                    # only when given, so that the keys of earlier evaluations stay as they were
-                   **({"metadata": t.metadata} if t.metadata else {})} for t in suite.tasks],
+                   **({"metadata": t.metadata} if t.metadata else {}),
+                   **({"protocol": _protocol(t)} if _protocol(t) != _protocol(LocalTask(name=t.name)) else {})}
+                  for t in suite.tasks],
     }
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _protocol(task: LocalTask) -> dict[str, Any]:
+    return {"num_fewshot": task.num_fewshot, "apply_chat_template": task.apply_chat_template,
+            "fewshot_as_multiturn": task.fewshot_as_multiturn}
+
+
+def protocol_label(num_fewshot: int | None, apply_chat_template: bool, fewshot_as_multiturn: bool) -> str:
+    """How a task was asked, e.g. '0-shot', '5-shot, chat, multiturn'; None few-shot: the task YAML's default."""
+    parts = [f"{num_fewshot}-shot" if num_fewshot is not None else "task-default shots"]
+    return ", ".join(parts + ["chat"] * apply_chat_template + ["multiturn"] * fewshot_as_multiturn)
 
 
 def run_config(
@@ -95,6 +109,8 @@ def evaluate(
         raise EvaluationError(f"tasks listed more than once in the suite: {dupes}")
     if not Path(model_path).is_dir():
         raise EvaluationError(f"model folder {model_path} does not exist")
+    if chat := [t.name for t in suite.tasks if t.apply_chat_template]:
+        _check_chat_template(model_path, chat, trust_remote_code)
     key = eval_key(suite, backend, dtype)
     config = run_config(model_path, suite, backend=backend, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     builtin = [n for n in names if n not in _local_index(suite)]
@@ -125,14 +141,47 @@ def evaluate(
     return QualityReport(
         eval_key=key,
         evaluator=EVALUATOR,
-        config=config,
+        # The protocol each result's task was asked with, by task name as the results name it.
+        config=config | {"protocols": out["protocols"], "example_prompts": out["example_prompts"]},
         metrics=[MetricResult(**m) for m in out["metrics"]],
         samples=[SampleResult(**s) for s in out["samples"]],
         seconds=seconds,
     )
 
 
+def _check_chat_template(model_path: str, tasks: list[str], trust_remote_code: bool) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise EvaluationError(f"could not load the tokenizer of {model_path}: {one_line(e)}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise EvaluationError(f"{tasks} ask for apply_chat_template, but the tokenizer of {model_path}"
+                              " has no chat template")
+
+
 # --- task configs, resolved for the eval key -----------------------------------------------------------------
+
+
+def local_task_configs(suite: SuiteSpec) -> dict[str, list[LocalTaskConfig]]:
+    """Each suite task that lives in a local YAML: its leaf tasks (a group's or tag's members, else itself) with
+    their configs as lm-eval merges them. Built-in lm-eval tasks are left out."""
+    index = _local_index(suite)
+    return {t.name: _leaves(t.name, index) for t in suite.tasks if t.name in index}
+
+
+def _leaves(name: str, index: dict) -> list[LocalTaskConfig]:
+    entry = index.get(name)
+    if entry is None:
+        return []
+    if entry.yaml_path is None:  # a tag: the tasks that carry it
+        return [leaf for t in sorted(entry.tags) for leaf in _leaves(t, index)]
+    cfg = _read_yaml(Path(entry.yaml_path))
+    if isinstance(cfg.get("task"), list):  # a group
+        members = [m.get("task") if isinstance(m, dict) else m for m in cfg["task"]]
+        return [leaf for m in members if isinstance(m, str) for leaf in _leaves(m, index)]
+    return [LocalTaskConfig(name=name, yaml_path=str(entry.yaml_path), config=cfg)]
 
 
 def _include_paths(suite: SuiteSpec) -> list[str]:
@@ -197,8 +246,9 @@ def _run(request: dict) -> dict:
     paths = request["include_paths"]
     # One task manager per distinct metadata: lm-eval merges a manager's metadata into every task it loads.
     managers: dict[str, TaskManager] = {}
-    # simple_evaluate takes one limit and one task manager for all its tasks.
-    by_limit: dict[tuple[int | None, str], list] = defaultdict(list)
+    # simple_evaluate takes one limit, one protocol (few-shot, chat template, multiturn) and one task manager
+    # for all its tasks.
+    by_call: dict[tuple[int | None, str, int | None, bool, bool], list] = defaultdict(list)
     for task in suite.tasks:
         meta = json.dumps(task.metadata, sort_keys=True)
         if meta not in managers:
@@ -212,7 +262,8 @@ def _run(request: dict) -> dict:
         except Exception as e:
             raise EvaluationError(f"task {task.name!r} could not be loaded: {one_line(e)}") from None
         groups = loaded.get("groups", {})
-        by_limit[(task.limit, meta)] += [groups[task.name]] if task.name in groups else list(loaded["tasks"].values())
+        call = (task.limit, meta, suite.num_fewshot_of(task), task.apply_chat_template, task.fewshot_as_multiturn)
+        by_call[call] += [groups[task.name]] if task.name in groups else list(loaded["tasks"].values())
 
     backend = request["backend"]
     model_args: dict[str, Any] = {
@@ -236,19 +287,38 @@ def _run(request: dict) -> dict:
 
     metrics: list[dict] = []
     samples: list[dict] = []
-    for (limit, meta), tasks in by_limit.items():
+    protocols: dict[str, str] = {}
+    prompts: dict[str, str] = {}
+    for (limit, meta, num_fewshot, chat, multiturn), tasks in by_call.items():
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=tasks,
             limit=limit,
-            num_fewshot=suite.num_fewshot,
+            num_fewshot=num_fewshot,
+            apply_chat_template=chat,
+            fewshot_as_multiturn=multiturn,
             log_samples=True,
             task_manager=managers[meta],
             bootstrap_iters=BOOTSTRAP_ITERS,
         )
         metrics += _metric_rows(results)
         samples += _sample_rows(results)
-    return {"metrics": metrics, "samples": samples}
+        # The few-shot count lm-eval used (a YAML may fix it, e.g. 0); a group's row takes its members' count.
+        shots = {t: c.get("num_fewshot") for t, c in results["configs"].items()}
+        group_shots = next(iter(shots.values()), num_fewshot)
+        protocols |= {t: protocol_label(shots.get(t, group_shots), chat, multiturn) for t in results["results"]}
+        prompts |= _example_prompt(results)
+    return {"metrics": metrics, "samples": samples, "protocols": protocols, "example_prompts": prompts}
+
+
+def _example_prompt(results: dict) -> dict[str, str]:
+    """The first prompt of the call's first task, as the model got it (few-shot examples, chat template): one
+    per protocol, so a reader sees how the numbers were asked for."""
+    for task, logged in results.get("samples", {}).items():
+        args = logged[0]["arguments"][0] if logged and logged[0]["arguments"] else None
+        if args and isinstance(args[0], str):
+            return {task: _compact(args[0], limit=PROMPT_CHARS)}
+    return {}
 
 
 # The KV cache of an evaluation engine: far more than lm-eval's longest request needs (a 1.5B model with

@@ -24,6 +24,7 @@ from llmcompressor.sentinel import Sentinel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from quantgate.catalog.schema import VariantSpec
+from quantgate.tasks.records import CalibrationSamples
 
 TARGETS = ["Linear"]
 
@@ -124,29 +125,32 @@ def _load(model_dir: Path, calibrated: bool) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
 
 
-def quantize(model_dir: Path, spec: VariantSpec, texts: list[str], seq_len: int, out_dir: Path) -> None:
+def quantize(model_dir: Path, spec: VariantSpec, samples: CalibrationSamples | None, out_dir: Path) -> None:
     """Quantize `model_dir` per `spec` into `out_dir` (compressed-tensors weights, recipe.yaml, tokenizer).
 
-    `texts` calibrate the build when the spec needs calibration; each is cut to `seq_len` tokens.
+    `samples` calibrate the build when the spec needs calibration: token ids, already rendered and tokenized,
+    reach oneshot as they are.
     """
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = _load(model_dir, spec.needs_calibration)
     _check_group_size(model, spec)
-    dataset = None
+    calibration: dict = {}
     if spec.needs_calibration:
-        if not texts:
-            raise QuantizeError(f"method {spec.method} needs calibration texts, got none")
-        enc = tokenizer(texts, truncation=True, max_length=seq_len)
-        dataset = Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+        if not samples or not samples.input_ids:
+            raise QuantizeError(f"method {spec.method} needs calibration samples, got none")
+        ids = [list(s) for s in samples.input_ids]
+        calibration = {
+            "dataset": Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(s) for s in ids]}),
+            "num_calibration_samples": len(ids),
+            "max_seq_length": samples.seq_len,
+            "shuffle_calibration_samples": False,
+        }
     with _awq_without_pinning(spec):
         oneshot(
             model=model,
             tokenizer=tokenizer,
             recipe=recipe_text(spec),
-            dataset=dataset,
-            num_calibration_samples=len(texts),
-            max_seq_length=seq_len,
-            shuffle_calibration_samples=False,
+            **calibration,
             output_dir=str(out_dir),
             save_compressed=True,
             # Drop the global session's hold on the model once saved, so builds in one

@@ -7,7 +7,8 @@ SELECT v.run_id, v.variant_uid, v.task, v.metric, v.filter, v.higher_is_better,
            WHEN v.value IS NULL OR b.value IS NULL OR isnan(v.value) OR isnan(b.value) THEN NULL
            WHEN v.higher_is_better AND b.value <> 0 THEN v.value / b.value
            WHEN NOT v.higher_is_better AND v.value <> 0 THEN b.value / v.value
-       END AS recovery
+       END AS recovery,
+       v.protocol
 FROM stg_run_quality v
 JOIN stg_run_quality b
   ON b.run_id = v.run_id AND b.role = 'base' AND b.eval_key = v.eval_key
