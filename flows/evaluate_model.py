@@ -190,7 +190,7 @@ def evaluate_model(
         store.record_inputs(con, run_id, spec.id, *model_inputs(cat, spec, sha))
     _finish(run, None)
     with store.session(wh, read_only=True) as con:
-        card = store.rows(con, "SELECT * FROM variant_scorecard WHERE run_id = ?", [run_id])
+        card = store.scorecard(con, run_id)
     _publish(spec.id, card)
     return card
 
@@ -404,16 +404,9 @@ def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> 
     policy = spec.policy or cat.policy
 
     def compute(con: Any) -> list[Decision]:
-        recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
-        speed = store.rows(con, "SELECT * FROM variant_speedup WHERE run_id = ?", [run_id])
-        samples = store.paired_samples(con, run_id, [(g.task, g.metric) for g in policy.quality])
-        flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = ?", [run_id])
-        serving = store.rows(con, "SELECT * FROM variant_serving WHERE run_id = ?", [run_id])
-        rows = store.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
-                               " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
-        of = lambda found, row: [r for r in found if r["variant_uid"] == row["variant_uid"]]  # noqa: E731
-        return [decide_task(row, base.size_bytes, of(recovery, row), of(speed, row), policy,
-                            of(samples, row), of(flips, row), of(serving, row)) for row in rows]
+        evidence = store.decision_evidence(con, run_id, [(g.task, g.metric) for g in policy.quality])
+        return [decide_task(row, base.size_bytes, policy=policy, **evidence.of(row["variant_uid"]))
+                for row in evidence.variants]
 
     if run.is_done("decide"):
         return []

@@ -144,8 +144,8 @@ def test_models_name_calibration_sets_of_the_catalog(tmp_path):
     text = (Path(__file__).resolve().parents[1] / "catalog" / "models.yaml").read_text()
     named = text.replace("calibration: {kind: text, samples: 64, seq_len: 128}", "calibration: chat-holdout")
     (tmp_path / "models.yaml").write_text(named)
-    for name in ("policy.yaml", "policy-tiny.yaml"):
-        (tmp_path / name).write_text((Path(__file__).resolve().parents[1] / "catalog" / name).read_text())
+    for policy in (Path(__file__).resolve().parents[1] / "catalog").glob("policy*.yaml"):
+        (tmp_path / policy.name).write_text(policy.read_text())
     tiny = load_catalog(tmp_path / "models.yaml").model("stories260k")
     assert tiny.calibration.name == "chat-holdout" and tiny.calibration.kind == "eval_holdout"
     (tmp_path / "models.yaml").write_text(named.replace("calibration: chat-holdout", "calibration: no-such-set"))

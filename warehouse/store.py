@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -332,6 +332,40 @@ def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, atte
 def now() -> datetime:
     """The warehouse's clock (UTC, naive), for a stage's start."""
     return _now()
+
+
+def scorecard(con, run_id: str) -> list[dict[str, Any]]:
+    return rows(con, "SELECT * FROM variant_scorecard WHERE run_id = ?", [run_id])
+
+
+@dataclass(frozen=True)
+class DecisionEvidence:
+    """What the decisions of a run are made from, each a view's rows for the run's variants."""
+
+    variants: list[dict[str, Any]]
+    recovery: list[dict[str, Any]]
+    speedup: list[dict[str, Any]]
+    samples: list[dict[str, Any]]
+    flips: list[dict[str, Any]]
+    serving: list[dict[str, Any]]
+
+    def of(self, variant_uid: str) -> dict[str, list[dict[str, Any]]]:
+        """One variant's rows, by the names tasks/decide.decide takes them under."""
+        def mine(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [r for r in found if r["variant_uid"] == variant_uid]
+
+        return {"recovery": mine(self.recovery), "speed": mine(self.speedup), "samples": mine(self.samples),
+                "flips": mine(self.flips), "serving": mine(self.serving)}
+
+
+def decision_evidence(con, run_id: str, gated: Sequence[tuple[str, str]]) -> DecisionEvidence:
+    def view(name: str) -> list[dict[str, Any]]:
+        return rows(con, f"SELECT * FROM {name} WHERE run_id = ?", [run_id])
+
+    variants = rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
+                         " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
+    return DecisionEvidence(variants, view("variant_recovery"), view("variant_speedup"),
+                            paired_samples(con, run_id, list(gated)), view("variant_flips"), view("variant_serving"))
 
 
 def stage_summary(con, run_id: str) -> list[dict[str, Any]]:

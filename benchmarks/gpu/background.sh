@@ -33,7 +33,7 @@ start)
     if [ -d "$job" ] && ! ended "$name"; then echo "background: $name is still running"; exit 2; fi
     rm -rf "$job"
     mkdir -p "$job/out"
-    tar -cf - --exclude=./.git --exclude=./gpu-out --exclude=./.devkit --exclude=./.gpu-carry/gguf1 --exclude=./.gpu-carry/gguf2 --exclude=./.gpu-carry/bnb --exclude=./.venv . | tar -xf - -C "$job" --one-top-level=repo
+    tar -cf - --exclude=./.git --exclude=./gpu-out --exclude=./.devkit --exclude=./.gpu-carry/gguf1 --exclude=./.gpu-carry/gguf2 --exclude=./.gpu-carry/bnb --exclude=./.gpu-carry/wheels --exclude=./.gpu-carry/wheels-gguf --exclude=./.venv . | tar -xf - -C "$job" --one-top-level=repo
     printf '%s\n' "$cmd" > "$job/command.txt"
     (cd "$job/repo" && OUT="$job/out" setsid bash -c 'bash -c "$1"; echo $? > "$2"' _ "$cmd" "$job/rc" \
         > "$job/console.txt" 2>&1 < /dev/null &)
