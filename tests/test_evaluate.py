@@ -164,3 +164,21 @@ def test_vllm_backend_scores_like_hf_on_cuda():
     assert sorted(lls["hf"]) == sorted(lls["vllm"]) == list(range(20))
     for doc_id, ll in lls["hf"].items():  # bf16 kernels differ; sums over ~30 tokens stay within a few percent
         assert ll == pytest.approx(lls["vllm"][doc_id], rel=0.05, abs=0.5)
+
+
+def test_a_group_gate_has_its_items_paired_like_any_task(tmp_path):
+    """MMLU is a group of 57 subjects: its items are stored again under the group's name, so that a gate on
+    qg_mmlu/acc is judged item by item (paired bootstrap), and their mean is the group's size-weighted acc."""
+    (tmp_path / "qg_mmlu_two.yaml").write_text(
+        "group: qg_mmlu_two\ntask: [qg_mmlu_anatomy, qg_mmlu_astronomy]\n"
+        "aggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\nmetadata:\n  version: 1.0\n")
+    suite = SuiteSpec(tasks=(LocalTask(name="qg_mmlu_two", include_path=str(tmp_path), limit=3),), batch_size=8)
+    report = evaluate_variant(str(MODEL), suite)
+    assert report.status == "ok", report.error
+    rows = [s for s in report.samples if s.metric == "acc"]
+    group = [s for s in rows if s.task == "qg_mmlu_two"]
+    members = [s for s in rows if s.task in ("qg_mmlu_anatomy", "qg_mmlu_astronomy")]
+    assert len(group) == len(members) == 6 and len({s.doc_id for s in group}) == 6
+    assert sorted(s.value for s in group) == sorted(s.value for s in members)
+    (acc,) = [m for m in report.metrics if m.task == "qg_mmlu_two" and m.metric == "acc"]
+    assert acc.value == pytest.approx(sum(s.value for s in group) / 6)

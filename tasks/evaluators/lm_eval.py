@@ -413,7 +413,24 @@ def _sample_rows(results: dict) -> list[dict]:
                         "filter": sample["filter"],
                     }
                 )
-    return rows
+    return rows + _group_rows(results, rows)
+
+
+# Subtasks' documents number from 0 each; under their group, each subtask's come from its own block of ids.
+_GROUP_DOC_BLOCK = 1_000_000
+
+
+def _group_rows(results: dict, rows: list[dict]) -> list[dict]:
+    """Each group's items: its subtasks' rows again under the group's name (a subtask's doc ids offset by its
+    position), so that a gate on a group (MMLU's acc over all subjects) is judged item by item, paired
+    between base and variant, like any task. Groups averaged by size (weight_by_size, as qg_mmlu) are the mean
+    of exactly these items."""
+    out = []
+    for group, members in sorted(results.get("group_subtasks", {}).items()):
+        for i, member in enumerate(sorted(members)):
+            out += [{**r, "task": group, "doc_id": i * _GROUP_DOC_BLOCK + r["doc_id"],
+                     "detail": {**r["detail"], "subtask": member}} for r in rows if r["task"] == member]
+    return out
 
 
 def _detail(sample: dict, output_type: str) -> dict:
