@@ -235,14 +235,14 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     suite = cat.suites[spec.suite]
     setup = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
 
-    # Builds first: on a CPU (one job at a time) each variant is evaluated right after its build, the base
-    # last; on a GPU the base's evaluation runs beside the builds.
+    # The base first: on a CPU (one job at a time) a base whose outputs are not finite stops the run before any
+    # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
     with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
+        base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
         builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup)
                   for name in spec.variants]
-        base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
-        built = [future.result() for future in builds]
         base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
+        built = [future.result() for future in builds]
     variants_ok = [v for v, usable in built if usable]
 
     _kl(run, base, variants_ok, suite, setup)

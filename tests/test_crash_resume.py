@@ -102,15 +102,17 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     after = crash("download")
     assert [r[5] for r in after["runs"]] == ["running"] and not after["models"] and not _stages(after)
 
-    # 2. Quantize: the first build is written to its temporary folder and killed before the rename.
+    # 2. Quantize: the base's evaluation (first) is committed; the first build is written to its temporary folder
+    # and killed before the rename.
     after = crash("quantize")
-    assert _stages(after) == {("download", "")}
+    assert {s for s, _ in _stages(after)} == {"download", "evaluate"} and len(after["quality_evals"]) == 1
     variants = work / "variants"
     orphans = [p.name for p in variants.iterdir() if p.name.endswith(".tmp")]
     assert len(orphans) == 1 and not [p for p in variants.iterdir() if not p.name.startswith(".")]
 
-    # 3. Evaluate: the variant's evaluation (right after its build) is committed, the base's is computed and lost.
-    after = crash("evaluate@2")
+    # 3. Evaluate: the base's evaluation is stored, so the first one this rerun computes is the variant's, right
+    # after its build: computed and lost.
+    after = crash("evaluate")
     assert [p.name for p in variants.iterdir() if p.name.endswith(".tmp")] == []  # the orphan was swept
     built = {r[2]: r[14] for r in after["variants"]}  # name -> status
     assert built == {"base": "built", "rtn-w8a16": "built", "rtn-w4a16-g128": "failed"}
