@@ -114,8 +114,8 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     # after its build: computed and lost.
     after = crash("evaluate")
     assert [p.name for p in variants.iterdir() if p.name.endswith(".tmp")] == []  # the orphan was swept
-    built = {r[2]: r[14] for r in after["variants"]}  # name -> status
-    assert built == {"base": "built", "rtn-w8a16": "built", "rtn-w4a16-g128": "failed"}
+    built = {r[2]: r[14] for r in after["variants"]}  # name -> status: the second variant's build comes after
+    assert built == {"base": "built", "rtn-w8a16": "built"}
     assert {s for s, _ in _stages(after)} == {"download", "quantize", "evaluate"}
     assert len(after["quality_evals"]) == 1
 
