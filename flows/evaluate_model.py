@@ -239,6 +239,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
     with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
         base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
+        if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
+            base_quality.result()
         builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup)
                   for name in spec.variants]
         base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
@@ -315,6 +317,8 @@ def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, 
     def compute() -> list[MetricResult]:
         report = evaluate_task(v.path, suite, backend=setup.backend, device=setup.device, dtype=setup.dtype,
                                trust_remote_code=spec.trust_remote_code)
+        if is_base and (bad := _nonfinite(report.metrics)):  # raised before anything of it is stored
+            raise ModelOutputError(f"{spec.id}: the base model's outputs are not finite ({bad})")
         reports[v.uid] = report
         return report.metrics
 
