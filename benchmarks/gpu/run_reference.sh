@@ -26,7 +26,7 @@ MODEL="${QG_MODEL:-qwen2.5-coder-1.5b-instruct}"
 started=$(date +%s.%N)
 {
     echo "== $(date -u +%FT%TZ) quantgate run $MODEL $* on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
-    timeout -s INT -k 30 "${QG_TIMEOUT_S:-900}" "${QG[@]}" run "$MODEL" --warehouse "$WH" --workdir "$WORK" "$@"
+    timeout -s INT -k 90 "${QG_TIMEOUT_S:-900}" "${QG[@]}" run "$MODEL" --warehouse "$WH" --workdir "$WORK" "$@"
     echo "== exit code $? at $(date -u +%FT%TZ)"
 } > "$LOG" 2>&1
 ended=$(date +%s.%N)
