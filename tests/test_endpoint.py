@@ -108,7 +108,8 @@ def test_cli_benchmarks_a_real_server_into_the_warehouse(transformers_server, tm
         assert 1 <= r["output_tokens"] <= 8 and r["prompt_tokens"] > 0
         assert r["ttft_ms"] > 0 and r["e2el_ms"] >= r["ttft_ms"]
         if r["output_tokens"] > 1:
-            assert r["tpot_ms"] > 0 and len(r["itl_ms"]) >= 1 and all(g >= 0 for g in r["itl_ms"])
+            # A busy server may send the later tokens in the first token's chunk: then TPOT is 0, never less.
+            assert r["tpot_ms"] >= 0 and len(r["itl_ms"]) >= 1 and all(g >= 0 for g in r["itl_ms"])
             # E2EL ends at the last token chunk: TTFT plus the gaps (the closing usage chunk adds none).
             assert r["e2el_ms"] == pytest.approx(r["ttft_ms"] + sum(r["itl_ms"]), rel=1e-6)
     assert pct["c=2"]["ttft_p50_ms"] > 0 and pct["c=2"]["itl_p50_ms"] is not None
