@@ -123,7 +123,7 @@ def _load(model_dir: Path, calibrated: bool) -> PreTrainedModel:
             model_dir, dtype=torch.bfloat16, device_map=None if calibrated else "cuda"
         )
     # A CPU builds in float32, whatever the checkpoint stores (a GGUF base is bf16): its bf16 matrix products are
-    # several times slower (GPTQ of the SmolLM2 demo: 502 s in bf16 on the 2-core CI machine, ~45 s in fp32).
+    # slower (GPTQ of the SmolLM2 demo took 502 s in bf16 on a busy 2-core machine; ~45 s in fp32 before).
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
