@@ -82,10 +82,6 @@ class SpeedJob:
     scenarios: tuple[tuple[str, ScenarioSpec], ...]
 
     @property
-    def serving(self) -> bool:
-        return self.scenarios[0][1].kind == "serving"
-
-    @property
     def label(self) -> str:
         return f"{self.engine} {'+'.join(name for name, _ in self.scenarios)} on {self.variant.name}"
 
