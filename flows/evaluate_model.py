@@ -66,6 +66,14 @@ def resume_key(cat: Catalog, spec: ModelSpec, engines: list[str] | None = None) 
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+@dataclass
+class StageCommit:
+    """A stage's open transaction, and the detail its completion mark will carry."""
+
+    con: Any
+    detail: str | None
+
+
 class _Run:
     """The warehouse run a flow run works on, and which of its stages are already complete."""
 
@@ -91,14 +99,16 @@ class _Run:
 
     @contextmanager
     def stage(self, stage: str, item: str = "", detail: str | None = None, started: datetime | None = None,
-              engine_starts: int = 0) -> Iterator[Any]:
-        """One transaction for a stage's rows and its completion mark: after a crash both are there or neither."""
+              engine_starts: int = 0) -> Iterator[StageCommit]:
+        """One transaction for a stage's rows and its completion mark: after a crash both are there or neither.
+        The body may set the mark's detail on what it yields, once its rows say what it is."""
         with store.session(self.wh) as con, store.transaction(con):
-            yield con
-            store.mark_stage(con, self.run_id, stage, item, detail, self.attempt_id, started or store.now(),
+            commit = StageCommit(con, detail)
+            yield commit
+            store.mark_stage(con, self.run_id, stage, item, commit.detail, self.attempt_id, started or store.now(),
                              engine_starts)
             faults.point(f"write:{stage}")
-        self.done[(stage, item)] = detail
+        self.done[(stage, item)] = commit.detail
 
     def step(self, stage: str, item: str, *, stored: Callable[[Any], T | None], compute: Callable[[], T],
              write: Callable[[Any, T, bool], str | None], starts: Callable[[T], int] = lambda _: 0,
@@ -114,12 +124,8 @@ class _Run:
         self.enter(stage, label)
         started = store.now()
         value = found if found is not None else compute()
-        with store.session(self.wh) as con, store.transaction(con):
-            detail = write(con, value, found is not None)
-            store.mark_stage(con, self.run_id, stage, item, detail, self.attempt_id, started,
-                             0 if found is not None else starts(value))
-            faults.point(f"write:{stage}")
-        self.done[(stage, item)] = detail
+        with self.stage(stage, item, None, started, 0 if found is not None else starts(value)) as commit:
+            commit.detail = write(commit.con, value, found is not None)
         return value
 
 
@@ -360,34 +366,34 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
     first = next(iter(reports), None)
     for v in todo:
         starts = (2 if v.uid == first else 1) if v.uid in reports else 0  # the base's load, once, with the first
-        with run.stage("kl", v.uid, started=started, engine_starts=starts) as con:
+        with run.stage("kl", v.uid, started=started, engine_starts=starts) as commit:
             if v.uid in reports:
-                store.record_quality(con, run.run_id, v.uid, reports[v.uid], link=False)
+                store.record_quality(commit.con, run.run_id, v.uid, reports[v.uid], link=False)
 
 
 def _benchmark(run: _Run, checkpoints: list[VariantArtifact], spec: ModelSpec, cat: Catalog, root: Path,
                gpu_deployment: str | None, engines: list[str] | None, remeasure: bool, lanes: list[str | None]) -> None:
     """Speed of every checkpoint, measured unless an earlier run measured the same thing (`remeasure`: always)."""
     log = get_run_logger()
-    keys = {v.uid: speed_key(spec, cat, engines) for v in checkpoints}
+    key = speed_key(spec, cat, engines)  # the same for every checkpoint: its uid is the rest of the identity
     todo = []
     for v in checkpoints:
         if run.is_done("benchmark", v.uid):
             continue
-        source = None if remeasure else run.read(lambda con, v=v: store.speed_source(con, v.uid, keys[v.uid]))
+        source = None if remeasure else run.read(lambda con, v=v: store.speed_source(con, v.uid, key))
         if source is None:
             todo.append(v)
             continue
         log.info("%s: speed unchanged since run %s (same scenarios, libraries and device); reused", v.name, source)
-        with run.stage("benchmark", v.uid, f"reused from run {source}") as con:
-            store.link_speed(con, run.run_id, v.uid, keys[v.uid], source)
+        with run.stage("benchmark", v.uid, f"reused from run {source}") as commit:
+            store.link_speed(commit.con, run.run_id, v.uid, key, source)
 
     # Results come back here, the one warehouse writer, and each checkpoint's rows are stored with its
     # completion mark as soon as they are all in.
     def store_speed(uid: str, result: dispatch.JobResult) -> None:
-        with run.stage("benchmark", uid, started=result.started_at, engine_starts=result.engine_starts) as con:
-            store.record_measured(con, run.run_id, uid, result.measured)
-            store.link_speed(con, run.run_id, uid, keys[uid])
+        with run.stage("benchmark", uid, started=result.started_at, engine_starts=result.engine_starts) as commit:
+            store.record_measured(commit.con, run.run_id, uid, result.measured)
+            store.link_speed(commit.con, run.run_id, uid, key)
 
     if todo:
         run.enter("benchmark", ", ".join(v.name for v in todo))
@@ -416,9 +422,9 @@ def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> 
         return []
     run.enter("decide", spec.id)
     started = store.now()
-    with run.stage("decide", started=started) as con:
-        decisions = compute(con)
-        store.record_decisions(con, run_id, decisions, policy.model_dump(mode="json"))
+    with run.stage("decide", started=started) as commit:
+        decisions = compute(commit.con)
+        store.record_decisions(commit.con, run_id, decisions, policy.model_dump(mode="json"))
     return decisions
 
 

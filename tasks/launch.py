@@ -130,7 +130,7 @@ class Jobs:
 
     def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
         if self._pool is not None:
-            return self._pool.submit(contextvars.copy_context().run, fn, *args)
+            return submit(self._pool, fn, *args)
         done: Future[R] = Future()
         try:
             done.set_result(fn(*args))

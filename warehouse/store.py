@@ -47,7 +47,8 @@ def default_path() -> Path:
     return Path(os.environ.get(ENV_VAR, DEFAULT_PATH))
 
 
-def _now() -> datetime:
+def now() -> datetime:
+    """The warehouse's clock: UTC, naive, as every timestamp column stores it."""
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
@@ -148,7 +149,7 @@ def migrate(con: duckdb.DuckDBPyConnection, path: Path | str = "warehouse") -> N
         con.execute("BEGIN TRANSACTION")
         try:
             con.execute(sql)
-            con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?, ?)", [version, name, checksum, _now()])
+            con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?, ?)", [version, name, checksum, now()])
             con.execute("COMMIT")
         except Exception:
             con.execute("ROLLBACK")
@@ -168,7 +169,7 @@ def apply_views(con: duckdb.DuckDBPyConnection, force: bool = False) -> None:
     with transaction(con):
         for text in sql:
             con.execute(text)
-        con.execute("INSERT OR REPLACE INTO schema_views VALUES (1, ?, ?)", [checksum, _now()])
+        con.execute("INSERT OR REPLACE INTO schema_views VALUES (1, ?, ?)", [checksum, now()])
 
 
 @contextmanager
@@ -224,7 +225,7 @@ def start_run(con, run_id: str, flow_name: str, model_id: str | None, catalog_pa
             "INSERT INTO runs (run_id, flow_name, model_id, started_at, status, catalog_path, catalog_hash, host, versions)"
             " VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?)"
             " ON CONFLICT (run_id) DO UPDATE SET status = 'running', error = NULL, finished_at = NULL",
-            [run_id, flow_name, model_id, _now(), catalog_path, catalog_hash, host, _json(versions)],
+            [run_id, flow_name, model_id, now(), catalog_path, catalog_hash, host, _json(versions)],
         )
 
 
@@ -232,10 +233,10 @@ def finish_run(con, run_id: str, error: str | None = None, attempt_id: str | Non
     status = "failed" if error else "completed"
     with transaction(con):
         con.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE run_id = ?",
-                    [status, error, _now(), run_id])
+                    [status, error, now(), run_id])
         if attempt_id:
             con.execute("UPDATE run_attempts SET status = ?, error = ?, finished_at = ? WHERE attempt_id = ?",
-                        [status, error, _now(), attempt_id])
+                        [status, error, now(), attempt_id])
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -290,7 +291,7 @@ def begin_run(con, attempt_id: str, flow_name: str, model_id: str, resume_key: s
         for run in dead:
             con.execute("UPDATE run_attempts SET status = 'abandoned', finished_at = ?,"
                         " error = 'its process ended without finishing' WHERE run_id = ? AND status = 'running'",
-                        [_now(), run["run_id"]])
+                        [now(), run["run_id"]])
         resumable = next((r for r in dead if latest and r["run_id"] == latest[0] and r["resume_key"] == resume_key), None)
         if resumable:
             run_id = resumable["run_id"]
@@ -300,7 +301,7 @@ def begin_run(con, attempt_id: str, flow_name: str, model_id: str, resume_key: s
         for run in dead:
             if run["status"] == "running":
                 con.execute("UPDATE runs SET status = 'failed', finished_at = ?, error = ? WHERE run_id = ?",
-                            [_now(), f"abandoned: its process ended without finishing; not resumed by {attempt_id}",
+                            [now(), f"abandoned: its process ended without finishing; not resumed by {attempt_id}",
                              run["run_id"]])
         start_run(con, attempt_id, flow_name, model_id, catalog_path, catalog_hash, host, versions)
         con.execute("UPDATE runs SET resume_key = ? WHERE run_id = ?", [resume_key, attempt_id])
@@ -312,7 +313,7 @@ def _attempt(con, attempt_id: str, run_id: str, host: str) -> None:
     con.execute(
         "INSERT INTO run_attempts (attempt_id, run_id, host, pid, started_at, status) VALUES (?, ?, ?, ?, ?, 'running')"
         " ON CONFLICT (attempt_id) DO UPDATE SET pid = excluded.pid, status = 'running', error = NULL, finished_at = NULL",
-        [attempt_id, run_id, host, os.getpid(), _now()],
+        [attempt_id, run_id, host, os.getpid(), now()],
     )
 
 
@@ -325,13 +326,8 @@ def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, atte
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, stage, item) DO UPDATE SET"
         " detail = excluded.detail, attempt_id = excluded.attempt_id, completed_at = excluded.completed_at,"
         " started_at = excluded.started_at, engine_starts = excluded.engine_starts",
-        [run_id, stage, item, detail, attempt_id, _now(), started_at, engine_starts],
+        [run_id, stage, item, detail, attempt_id, now(), started_at, engine_starts],
     )
-
-
-def now() -> datetime:
-    """The warehouse's clock (UTC, naive), for a stage's start."""
-    return _now()
 
 
 def scorecard(con, run_id: str) -> list[dict[str, Any]]:
@@ -454,7 +450,7 @@ def record_variant(con, run_id: str, v: VariantArtifact, role: str) -> None:
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [v.uid, v.model_uid, v.name, v.method, v.scheme, v.bits, v.group_size, v.path, v.recipe,
                  v.recipe_hash, _json(v.lib_versions), v.size_bytes, v.build_seconds, v.peak_memory_bytes,
-                 "failed" if v.status == "skipped" else v.status, v.error, run_id, _now(), v.weights,
+                 "failed" if v.status == "skipped" else v.status, v.error, run_id, now(), v.weights,
                  v.status == "skipped"],
             )
         con.execute(
@@ -510,7 +506,7 @@ def record_quality(con, run_id: str, variant_uid: str, report: QualityReport, li
         con.execute(
             "INSERT INTO quality_evals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [variant_uid, report.eval_key, run_id, report.evaluator, _json(report.config), report.seconds,
-             report.status, report.error, _now()],
+             report.status, report.error, now()],
         )
         if report.metrics:
             con.executemany(
@@ -555,7 +551,7 @@ def record_speed(con, run_id: str, variant_uid: str, results: Sequence[SpeedResu
         for r in results:
             d = asdict(r)
             values = [_json(d[c]) if c in _JSON_SPEED else d[c] for c in _SPEED_COLUMNS]
-            con.execute(sql, [run_id, variant_uid, *values, _now()])
+            con.execute(sql, [run_id, variant_uid, *values, now()])
 
 
 _CHECK_COLUMNS = ("kind", "name", "task", "metric", "value", "lower", "upper", "threshold", "outcome",
@@ -573,7 +569,7 @@ def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: di
                 " speedup, size_ratio, policy_hash, policy, decided_at, quality_lower_bound, flip_rate)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [run_id, d.variant_uid, d.decision, d.reason, d.quality_recovery, d.speedup,
-                 d.size_ratio, d.policy_hash, _json(policy), _now(), d.quality_lower_bound, d.flip_rate],
+                 d.size_ratio, d.policy_hash, _json(policy), now(), d.quality_lower_bound, d.flip_rate],
             )
             con.execute("DELETE FROM decision_checks WHERE run_id = ? AND variant_uid = ?", [run_id, d.variant_uid])
             for position, c in enumerate(d.checks):
@@ -610,7 +606,7 @@ def record_serving(con, run_id: str, variant_uid: str, engine: str, scenario: st
                 "INSERT INTO serving_loads VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [*key, load.label, load.max_concurrency, load.request_rate, len(load.records), load.duration_s,
                  len(ok), len(load.records) - len(ok), sum(r.output_tokens for r in ok), load.energy_j,
-                 slo.ttft_ms if slo else None, slo.tpot_ms if slo else None, slo.e2el_ms if slo else None, _now()],
+                 slo.ttft_ms if slo else None, slo.tpot_ms if slo else None, slo.e2el_ms if slo else None, now()],
             )
             if not load.records:
                 continue
@@ -771,7 +767,7 @@ def record_inputs(con, run_id: str, model_id: str, inputs_hash: str, inputs: dic
     with transaction(con):
         con.execute(
             "INSERT OR REPLACE INTO run_inputs VALUES (?, ?, ?, ?, ?)",
-            [run_id, model_id, inputs_hash, _json(inputs), _now()],
+            [run_id, model_id, inputs_hash, _json(inputs), now()],
         )
 
 
@@ -806,7 +802,7 @@ def record_trigger(con, model_id: str, sha: str, source: str, flow_run_id: str |
     with transaction(con):
         inserted = con.execute(
             "INSERT INTO release_triggers VALUES (?, ?, ?, ?, ?) ON CONFLICT (model_id, sha) DO NOTHING RETURNING 1",
-            [model_id, sha, source, flow_run_id, _now()],
+            [model_id, sha, source, flow_run_id, now()],
         ).fetchall()
     return bool(inserted)
 
@@ -819,7 +815,7 @@ def record_prices(con, run_id: str, prices: dict[str, float], catalog_hash: str 
     with transaction(con):
         con.execute("DELETE FROM run_prices WHERE run_id = ?", [run_id])
         for device, usd in sorted(prices.items()):
-            con.execute("INSERT INTO run_prices VALUES (?, ?, ?, ?, ?)", [run_id, device, float(usd), catalog_hash, _now()])
+            con.execute("INSERT INTO run_prices VALUES (?, ?, ?, ?, ?)", [run_id, device, float(usd), catalog_hash, now()])
 
 
 def record_endpoint(con, run_id: str, variant_uid: str, engine: str, scenario: str, base_url: str, model: str,
@@ -829,5 +825,5 @@ def record_endpoint(con, run_id: str, variant_uid: str, engine: str, scenario: s
         con.execute(
             "INSERT OR REPLACE INTO serving_endpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [run_id, variant_uid, engine, scenario, base_url, model, identity.get("server"),
-             identity.get("server_version"), _json(identity), _now()],
+             identity.get("server_version"), _json(identity), now()],
         )
