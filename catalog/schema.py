@@ -460,6 +460,10 @@ class ScenarioSpec(Strict):
     # Measured on the base checkpoint only: a check of the harness (e.g. the vllm-bench cross-check), not a
     # figure any variant is judged by.
     base_only: bool = False
+    # Engines of `engines` that measure the base alone. Transformers decompresses a compressed-tensors checkpoint
+    # to 16 bits as it loads it, so a variant under it runs the base's kernels: its figure says nothing of the
+    # variant, and the vLLM-over-Transformers ratio is the base's.
+    base_only_engines: tuple[EngineName, ...] = ()
 
     @field_validator("repetitions")
     @classmethod
@@ -493,6 +497,8 @@ class ScenarioSpec(Strict):
         if self.max_model_len is not None and self.max_model_len < self.input_len + self.output_len:
             needed = self.input_len + self.output_len
             raise ValueError(f"max_model_len {self.max_model_len} is below input_len + output_len ({needed})")
+        if stray := [e for e in self.base_only_engines if e not in self.engines]:
+            raise ValueError(f"base_only_engines {stray} are not among the scenario's engines {list(self.engines)}")
         if "vllm-bench" in self.engines and self.kind != "offline":
             raise ValueError(f"vllm-bench measures offline throughput; kind {self.kind!r} has no bench")
         if self.transformers_compile and "transformers" not in self.engines:

@@ -96,12 +96,18 @@ class JobResult:
 def speed_jobs(variant: VariantArtifact, scenarios: Sequence[tuple[str, ScenarioSpec]],
                engines: Sequence[str] | None = None) -> list[SpeedJob]:
     """A checkpoint's scenarios as engine starts: per engine, one job for each distinct engine option set
-    (tasks/benchmark.engine_sessions), and one per serving scenario."""
-    if variant.method != "base":
+    (tasks/benchmark.engine_sessions), and one per serving scenario; a variant leaves out the base-only
+    scenarios and engines."""
+    base = variant.method == "base"
+    if not base:
         scenarios = [(name, s) for name, s in scenarios if not s.base_only]
+
+    def runs_on(s: ScenarioSpec) -> list[str]:
+        return [e for e in _kept(s.engines, engines) if base or e not in s.base_only_engines]
+
     jobs = []
-    for engine in dict.fromkeys(e for _, s in scenarios for e in _kept(s.engines, engines)):
-        mine = [(name, s) for name, s in scenarios if engine in _kept(s.engines, engines)]
+    for engine in dict.fromkeys(e for _, s in scenarios for e in runs_on(s)):
+        mine = [(name, s) for name, s in scenarios if engine in runs_on(s)]
         # `vllm serve` and `vllm bench` start their own engine for each scenario.
         alone = [item for item in mine if item[1].kind == "serving" or engine == "vllm-bench"]
         jobs += [SpeedJob(variant, engine, (item,)) for item in alone]

@@ -25,8 +25,9 @@ from quantgate.catalog.schema import (
 )
 from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
+from quantgate.flows.speed_plan import SpeedPlan
+from quantgate.tasks import engines as engine_registry
 from quantgate.tasks import faults, launch
-from quantgate.tasks.benchmark import speed_environment
 from quantgate.tasks.caching import build_cached, download_cached
 from quantgate.tasks.calibration import CalibrationError, check_calibration_task
 from quantgate.tasks.decide import decide_task
@@ -36,6 +37,7 @@ from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
+from quantgate.tasks.speed.warmup import warm_up
 from quantgate.warehouse import store
 
 
@@ -230,8 +232,9 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
               engines: list[str] | None, remeasure: bool, lanes: list[str | None]) -> str:
     """All stages of one model that the run has not completed yet; returns the checkpoint's sha.
 
-    Work whose time is not measured (builds, evaluations, KL) runs a few jobs at a time on a GPU, one at a
-    time on a CPU; benchmarks then take the lanes, one measurement per GPU."""
+    Work whose time is not measured (builds, evaluations, KL, compile warm-ups of what will be measured) runs a
+    few jobs at a time on a GPU, one at a time on a CPU; benchmarks then take the lanes, one measurement per GPU,
+    one per speed key (checkpoints of one format share their rows)."""
     log = get_run_logger()
     # vLLM's compile cache in the work dir: every engine start of the same shape, in any run, reuses it.
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
@@ -240,14 +243,22 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     base = base_variant(model)
     suite = cat.suites[spec.suite]
     setup = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
+    plan = SpeedPlan(spec, cat, engines)
+    warm = setup.device == "cuda" and engine_registry.availability("vllm", "cuda") is None
 
     # The base first: on a CPU (one job at a time) a base whose outputs are not finite stops the run before any
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
     with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
+        def ready(v: VariantArtifact) -> None:
+            """A checkpoint is there: it claims its speed key, and warms the vLLM starts it will measure."""
+            if plan.claim(v) and warm:
+                pool.submit(_warm_compile, run, v, plan, root, remeasure)
+
         base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
         if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
             base_quality.result()
-        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup)
+        ready(base)
+        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup, ready)
                   for name in spec.variants]
         base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
         built = [future.result() for future in builds]
@@ -256,7 +267,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     _kl(run, base, variants_ok, suite, setup)
 
     checkpoints = [base, *variants_ok]
-    _benchmark(run, checkpoints, spec, cat, root, gpu_deployment, engines, remeasure, lanes)
+    _benchmark(run, checkpoints, plan, spec, cat, root, gpu_deployment, engines, remeasure, lanes)
 
     decisions = _decide(run, spec, cat, base)
     for d in decisions:
@@ -287,8 +298,9 @@ def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArti
 
 
 def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spec: ModelSpec, root: Path,
-                        suite: SuiteSpec, setup: EvalSetup) -> tuple[VariantArtifact, bool]:
-    """A variant built (or reused) and, when it built, evaluated: (variant, usable for the next stages)."""
+                        suite: SuiteSpec, setup: EvalSetup,
+                        ready: Callable[[VariantArtifact], None]) -> tuple[VariantArtifact, bool]:
+    """A variant built (or reused), announced `ready`, and evaluated: (variant, usable for the next stages)."""
     log = get_run_logger()
 
     def stored(con: Any) -> VariantArtifact | None:
@@ -309,6 +321,7 @@ def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spe
     variant = run.step("quantize", vspec.name, stored=stored, compute=build, write=write, label=vspec.name)
     if not variant.ok:
         return variant, False
+    ready(variant)
     return variant, _quality(run, variant, suite, setup, spec, False)
 
 
@@ -371,29 +384,64 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
                 store.record_quality(commit.con, run.run_id, v.uid, reports[v.uid], link=False)
 
 
-def _benchmark(run: _Run, checkpoints: list[VariantArtifact], spec: ModelSpec, cat: Catalog, root: Path,
-               gpu_deployment: str | None, engines: list[str] | None, remeasure: bool, lanes: list[str | None]) -> None:
-    """Speed of every checkpoint, measured unless an earlier run measured the same thing (`remeasure`: always)."""
+def _warm_compile(run: _Run, v: VariantArtifact, plan: SpeedPlan, root: Path, remeasure: bool) -> None:
+    """Compile warm-ups of the vLLM starts that measuring `v` will make, beside the unmeasured work, as a stage
+    row with their engine starts; none when its speed is stored already."""
+    if run.is_done("compile", v.uid) or run.is_done("benchmark", v.uid):
+        return
+    if not remeasure and run.read(lambda con: store.speed_source(con, plan.key(v))) is not None:
+        return
+    warms = plan.warm_ups(v)
+    if not warms:
+        return
+    run.enter("compile", v.name)
+    started = store.now()
+    log_dir = root / dispatch.SERVING_LOGS / v.name / "warm-ups"
+    problems = [f"{w.label}: {why}" for w in warms if (why := warm_up(v.path or "", w, log_dir)) is not None]
+    for problem in problems:
+        get_run_logger().warning("%s: compile warm-up failed, its measured start compiles instead (%s)", v.name, problem)
+    detail = f"{len(warms)} warm-up(s): " + ", ".join(w.label for w in warms)
+    with run.stage("compile", v.uid, detail + (f"; failed: {'; '.join(problems)}" if problems else ""), started,
+                   engine_starts=len(warms)):
+        pass
+
+
+def _benchmark(run: _Run, checkpoints: list[VariantArtifact], plan: SpeedPlan, spec: ModelSpec, cat: Catalog,
+               root: Path, gpu_deployment: str | None, engines: list[str] | None, remeasure: bool,
+               lanes: list[str | None]) -> None:
+    """Speed of every checkpoint: measured once per speed key (its format, scenarios, libraries and device),
+    unless an earlier run measured the key (`remeasure`: always); the key's other checkpoints take its rows."""
     log = get_run_logger()
-    key = speed_key(spec, cat, engines)  # the same for every checkpoint: its uid is the rest of the identity
-    todo = []
+    todo: list[VariantArtifact] = []
+    takers: dict[str, list[VariantArtifact]] = {}
     for v in checkpoints:
         if run.is_done("benchmark", v.uid):
             continue
-        source = None if remeasure else run.read(lambda con, v=v: store.speed_source(con, v.uid, key))
-        if source is None:
+        key = plan.key(v)
+        source = None if remeasure else run.read(lambda con, key=key: store.speed_source(con, key))
+        measurer = plan.measurer(v, checkpoints)
+        if source is not None and source[0] != run.run_id:
+            log.info("%s: speed unchanged since run %s (same format, scenarios, libraries and device); reused",
+                     v.name, source[0])
+            with run.stage("benchmark", v.uid, f"reused from run {source[0]}") as commit:
+                store.link_speed(commit.con, run.run_id, v.uid, key, source)
+        elif measurer.uid == v.uid:
             todo.append(v)
-            continue
-        log.info("%s: speed unchanged since run %s (same scenarios, libraries and device); reused", v.name, source)
-        with run.stage("benchmark", v.uid, f"reused from run {source}") as commit:
-            store.link_speed(commit.con, run.run_id, v.uid, key, source)
+        elif run.is_done("benchmark", measurer.uid):
+            _take_speed(run, v, measurer, key)
+        else:
+            takers.setdefault(measurer.uid, []).append(v)
 
     # Results come back here, the one warehouse writer, and each checkpoint's rows are stored with its
-    # completion mark as soon as they are all in.
+    # completion mark as soon as they are all in; the checkpoints of its format take them at once.
+    by_uid = {v.uid: v for v in checkpoints}
+
     def store_speed(uid: str, result: dispatch.JobResult) -> None:
         with run.stage("benchmark", uid, started=result.started_at, engine_starts=result.engine_starts) as commit:
             store.record_measured(commit.con, run.run_id, uid, result.measured)
-            store.link_speed(commit.con, run.run_id, uid, key)
+            store.link_speed(commit.con, run.run_id, uid, plan.key(by_uid[uid]))
+        for v in takers.get(uid, []):
+            _take_speed(run, v, by_uid[uid], plan.key(v))
 
     if todo:
         run.enter("benchmark", ", ".join(v.name for v in todo))
@@ -401,12 +449,11 @@ def _benchmark(run: _Run, checkpoints: list[VariantArtifact], spec: ModelSpec, c
                            lanes=lanes)
 
 
-def speed_key(spec: ModelSpec, cat: Catalog, engines: list[str] | None) -> str:
-    """What a checkpoint's speed rows depend on besides the checkpoint: its scenarios and engines, the
-    libraries that run them and the device (GPU model and driver, or the CPU)."""
-    key = {"scenarios": {n: cat.scenarios[n].model_dump(mode="json") for n in spec.scenarios},
-           "engines": sorted(engines or []), "environment": speed_environment()}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+def _take_speed(run: _Run, v: VariantArtifact, measurer: VariantArtifact, key: str) -> None:
+    get_run_logger().info("%s: same format as %s (config, quantization layout, tensor shapes): its speed rows"
+                          " stand for it", v.name, measurer.name)
+    with run.stage("benchmark", v.uid, f"same format as {measurer.name}: its speed rows") as commit:
+        store.link_speed(commit.con, run.run_id, v.uid, key, (run.run_id, measurer.uid))
 
 
 def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> list[Decision]:

@@ -37,6 +37,7 @@ from quantgate.tasks.speed.errors import BenchmarkError
 from quantgate.tasks.speed.options import engine_options, resolve_device, wants_random_weights
 from quantgate.tasks.speed.prompts import make_prompt_sets
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
+from quantgate.tasks.speed.vllm_cli import compile_cache_from_log
 from quantgate.tasks.telemetry import Telemetry, device_name, measure_bandwidth_gbps
 
 
@@ -152,6 +153,9 @@ def run_scenarios(
     details: dict[str, Any] = {"engine_starts": tried.engine_starts}
     if attempts:
         details["attempts"] = attempts
+    if engine_name == "vllm" and log_dir and isolate:
+        if compiled := compile_cache_from_log(Path(log_dir) / f"{engine_name}-{len(attempts)}.log"):
+            details["compile_cache"] = compiled
     if payload is None:
         return results("failed", tried.error, used, details)
 

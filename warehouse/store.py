@@ -382,23 +382,28 @@ def variant_failed(con, variant_uid: str) -> bool:
     return bool(found and found[0])
 
 
-def speed_source(con, variant_uid: str, speed_key: str) -> str | None:
-    """The latest run that completed the benchmark stage of this variant with the same speed key: its rows are
-    what a rerun would measure again."""
+def speed_source(con, speed_key: str) -> tuple[str, str] | None:
+    """(run, checkpoint) of the latest benchmark stage that measured rows with this speed key (a format, its
+    scenarios, libraries and device): what a rerun, or another checkpoint of the same format, would measure
+    again."""
     found = con.execute(
-        "SELECT rv.run_id FROM run_variants rv JOIN run_stages st ON st.run_id = rv.run_id"
+        "SELECT rv.run_id, rv.variant_uid FROM run_variants rv JOIN run_stages st ON st.run_id = rv.run_id"
         " AND st.stage = 'benchmark' AND st.item = rv.variant_uid"
-        " WHERE rv.variant_uid = ? AND rv.speed_key = ? AND coalesce(rv.speed_run_id, rv.run_id) = rv.run_id"
+        " WHERE rv.speed_key = ? AND coalesce(rv.speed_run_id, rv.run_id) = rv.run_id"
+        " AND coalesce(rv.speed_variant_uid, rv.variant_uid) = rv.variant_uid"
         " ORDER BY st.completed_at DESC LIMIT 1",
-        [variant_uid, speed_key],
+        [speed_key],
     ).fetchone()
-    return found[0] if found else None
+    return (found[0], found[1]) if found else None
 
 
-def link_speed(con, run_id: str, variant_uid: str, speed_key: str, source_run_id: str | None = None) -> None:
-    """The run's speed rows for the variant: measured by itself (no source) or reused from `source_run_id`."""
-    con.execute("UPDATE run_variants SET speed_key = ?, speed_run_id = ? WHERE run_id = ? AND variant_uid = ?",
-                [speed_key, source_run_id or run_id, run_id, variant_uid])
+def link_speed(con, run_id: str, variant_uid: str, speed_key: str, source: tuple[str, str] | None = None) -> None:
+    """The run's speed rows for the variant: measured by itself (no source), or those of `source` (run,
+    checkpoint): an earlier run's, or another checkpoint's of the same format."""
+    source_run, source_uid = source or (run_id, variant_uid)
+    con.execute("UPDATE run_variants SET speed_key = ?, speed_run_id = ?, speed_variant_uid = ?"
+                " WHERE run_id = ? AND variant_uid = ?",
+                [speed_key, source_run, None if source_uid == variant_uid else source_uid, run_id, variant_uid])
 
 
 def completed_stages(con, run_id: str) -> dict[tuple[str, str], str | None]:

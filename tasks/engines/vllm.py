@@ -45,6 +45,8 @@ class VllmEngine:
             extra["speculative_config"] = dict(options.speculative_config)
         if options.max_cudagraph_capture_size:
             extra["max_cudagraph_capture_size"] = options.max_cudagraph_capture_size
+        if options.kv_cache_memory_bytes:
+            extra["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
         self._llm = LLM(
             model=model_path,
             dtype=options.dtype,

@@ -1,9 +1,11 @@
-"""What speed runs read from a checkpoint folder: its config.json, and whether it has layers vLLM runs on a
-mixed-precision kernel."""
+"""What speed runs read from a checkpoint folder: its config.json, whether it has layers vLLM runs on a
+mixed-precision kernel, and its format (what its speed depends on)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +38,66 @@ def has_weight_only_int_layers(model_path: str | Path) -> bool | None:
                    for g in (quant.get("config_groups") or {}).values())
     return False
 
+
+
+# Fields of a compressed-tensors quantization config that say how a build was calibrated, not what the engine
+# runs: observers pick scales before they are stored; activation ordering "weight" (alias "static") quantizes in
+# activation order but stores the ordinary layout (compressed-tensors' ActivationOrdering: "doesn't change the
+# quantization format"). "group" stores a g_idx tensor and runs another kernel path, so it stays.
+_CALIBRATION_ONLY = ("observer", "observer_kwargs")
+_PLAIN_ACTORDER = (None, "weight", "static")
+# Files that describe the checkpoint to an engine; the weights count by name, dtype and shape only.
+_DESCRIPTION_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def speed_format(model_path: str | Path) -> str | None:
+    """A digest of what a checkpoint's speed depends on, which is its format, not its values: the files that
+    describe it to an engine (config with its quantization config, generation defaults, tokenizer) and each
+    tensor's name, dtype and shape. Two checkpoints with the same format run the same kernels on the same
+    shapes for the same token counts, so one's speed rows stand for the other's (as random weights of a real
+    shape stand for trained ones). None when the folder has no safetensors to read (a load-time variant, a
+    dummy checkpoint): such a checkpoint is its own format."""
+    folder = Path(model_path)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for name in _DESCRIPTION_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            content: Any = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if name == "config.json":
+            content = _engine_config(content)
+        digest.update(f"{name}\0{json.dumps(content, sort_keys=True)}\n".encode())
+    for file in files:
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for tensor, info in sorted(header.items()):
+            if tensor != "__metadata__":
+                digest.update(f"{tensor}\0{info['dtype']}\0{info['shape']}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _engine_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as an engine reads it: without the paths and versions of who wrote it, and without the
+    quantization config's calibration-only fields."""
+    out = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+    quant = out.get("quantization_config")
+    if isinstance(quant, dict) and isinstance(quant.get("config_groups"), dict):
+        groups = {}
+        for name, group in quant["config_groups"].items():
+            group = dict(group)
+            for part in ("weights", "input_activations", "output_activations"):
+                if isinstance(group.get(part), dict):
+                    args = {k: v for k, v in group[part].items() if k not in _CALIBRATION_ONLY}
+                    if args.get("actorder") in _PLAIN_ACTORDER:
+                        args["actorder"] = None
+                    group[part] = args
+            groups[name] = group
+        out["quantization_config"] = {**quant, "config_groups": groups}
+    return out

@@ -23,7 +23,9 @@ from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.prompts import make_prompts
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.speed.server import ServerHandle, free_port, start_server
-from quantgate.tasks.speed.vllm_cli import kernel_from_log, kv_cache_tokens_from_log, serve_engine_args, vllm_versions
+from quantgate.tasks.speed.vllm_cli import (
+    compile_cache_from_log, kernel_from_log, kv_cache_tokens_from_log, serve_engine_args, vllm_versions,
+)
 from quantgate.tasks.telemetry import Telemetry, nvml_device_name
 
 
@@ -110,6 +112,8 @@ def serve_scenario(
         details["serve_env"] = dict(env or {})
     if kernel := kernel_from_log(log):
         details["kernel"] = kernel
+    if compiled := compile_cache_from_log(log):
+        details["compile_cache"] = compiled
     if attempts:
         details["attempts"] = attempts
     if len(loads) < len(sizes):

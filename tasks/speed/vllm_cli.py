@@ -64,6 +64,8 @@ def vllm_cli_args(opts: EngineOptions) -> list[str]:
         args += ["--max-cudagraph-capture-size", str(opts.max_cudagraph_capture_size)]
     if opts.trust_remote_code:
         args.append("--trust-remote-code")
+    if opts.kv_cache_memory_bytes:
+        args += ["--kv-cache-memory-bytes", str(opts.kv_cache_memory_bytes)]
     return args
 
 
@@ -136,6 +138,17 @@ def kernel_from_log(path: str | Path) -> str | None:
 
 
 _KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def compile_cache_from_log(path: str | Path) -> str | None:
+    """How an engine start got its torch.compile artifacts: "loaded" from the compile cache (a warm-up, or an
+    earlier start of the same configuration, compiled them), "compiled" at start, or None (eager, or no log)."""
+    text = read_log(path)
+    if "Directly load AOT compilation" in text or "Directly load the compiled graph" in text:
+        return "loaded"
+    if "(compilation: " in text or "torch.compile takes" in text:
+        return "compiled"
+    return None
 
 
 def kv_cache_tokens_from_log(path: str | Path) -> int | None:

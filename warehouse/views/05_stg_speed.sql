@@ -1,26 +1,28 @@
 -- Staging: the speed rows, serving loads and requests each run uses. A run's own rows, plus, for a variant
--- whose speed the run reused (run_variants.speed_run_id: an earlier run that measured the same scenarios with
--- the same libraries on the same device), that run's rows under the reusing run's id. Every view reads speed
--- through these, so a rerun that changes nothing has a full scorecard without a second copy of the rows.
+-- whose speed the run took from elsewhere, those rows under the run's id and the variant's uid: an earlier
+-- run's (run_variants.speed_run_id: it measured the same scenarios with the same libraries on the same device),
+-- or another checkpoint's of the same format (speed_variant_uid). Every view reads speed through these, so a
+-- rerun that changes nothing has a full scorecard without a second copy of the rows.
 CREATE OR REPLACE VIEW stg_speed_reuse AS
-SELECT run_id, variant_uid, speed_run_id
+SELECT run_id, variant_uid, speed_run_id, coalesce(speed_variant_uid, variant_uid) AS speed_variant_uid
 FROM run_variants
-WHERE speed_run_id IS NOT NULL AND speed_run_id <> run_id;
+WHERE speed_run_id IS NOT NULL
+  AND (speed_run_id <> run_id OR coalesce(speed_variant_uid, variant_uid) <> variant_uid);
 
 CREATE OR REPLACE VIEW stg_speed_results AS
 SELECT * FROM speed_results
 UNION ALL BY NAME
-SELECT s.* REPLACE (u.run_id AS run_id)
-FROM stg_speed_reuse u JOIN speed_results s ON s.run_id = u.speed_run_id AND s.variant_uid = u.variant_uid;
+SELECT s.* REPLACE (u.run_id AS run_id, u.variant_uid AS variant_uid)
+FROM stg_speed_reuse u JOIN speed_results s ON s.run_id = u.speed_run_id AND s.variant_uid = u.speed_variant_uid;
 
 CREATE OR REPLACE VIEW stg_serving_loads AS
 SELECT * FROM serving_loads
 UNION ALL BY NAME
-SELECT l.* REPLACE (u.run_id AS run_id)
-FROM stg_speed_reuse u JOIN serving_loads l ON l.run_id = u.speed_run_id AND l.variant_uid = u.variant_uid;
+SELECT l.* REPLACE (u.run_id AS run_id, u.variant_uid AS variant_uid)
+FROM stg_speed_reuse u JOIN serving_loads l ON l.run_id = u.speed_run_id AND l.variant_uid = u.speed_variant_uid;
 
 CREATE OR REPLACE VIEW stg_serving_requests AS
 SELECT * FROM serving_requests
 UNION ALL BY NAME
-SELECT r.* REPLACE (u.run_id AS run_id)
-FROM stg_speed_reuse u JOIN serving_requests r ON r.run_id = u.speed_run_id AND r.variant_uid = u.variant_uid;
+SELECT r.* REPLACE (u.run_id AS run_id, u.variant_uid AS variant_uid)
+FROM stg_speed_reuse u JOIN serving_requests r ON r.run_id = u.speed_run_id AND r.variant_uid = u.speed_variant_uid;

@@ -1,0 +1,109 @@
+"""Speed measured once per checkpoint format: two builds whose config, quantization layout and tensor shapes
+are the same (RTN and GPTQ, W4A16 group 32) run the same kernels on the same shapes, so the run measures one and
+the other takes its rows; a build of another format (W8A16) is measured on its own.
+
+Real `quantgate run` subprocess, Prefect server, DuckDB, llm-compressor and Transformers on stories260k.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from quantgate.tasks.speed.checkpoint import speed_format
+from quantgate.warehouse import store
+from tests.cli_runs import run_cli
+from tests.shared_data import TINY_MODEL
+
+
+def _checkpoint(folder: Path, tensors: dict[str, tuple[str, list[int], bytes]], config: dict) -> Path:
+    """A folder with config.json and one safetensors file written byte by byte (name -> dtype, shape, data)."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    header, offset, body = {}, 0, b""
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset, body = offset + len(data), body + data
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+    return folder
+
+
+def _quant(actorder: str | None, observer: str = "minmax") -> dict:
+    weights = {"num_bits": 4, "type": "int", "group_size": 32, "strategy": "group", "symmetric": True,
+               "actorder": actorder, "observer": observer}
+    return {"hidden_size": 64, "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                       "config_groups": {"group_0": {"weights": weights}}}}
+
+
+def test_the_format_is_the_layout_not_the_values_nor_how_the_build_was_calibrated(tmp_path):
+    a = _checkpoint(tmp_path / "a", {"w": ("BF16", [2, 2], b"\x01" * 8)}, _quant(None))
+    # Other values, another observer, activation order "static" (stored in the ordinary layout): the same format.
+    b = _checkpoint(tmp_path / "b", {"w": ("BF16", [2, 2], b"\x07" * 8)}, _quant("static", "memoryless_minmax"))
+    assert speed_format(a) == speed_format(b) is not None
+    # Another dtype, another shape, activation order "group" (a g_idx and another kernel path): other formats.
+    assert speed_format(_checkpoint(tmp_path / "c", {"w": ("F16", [2, 2], b"\x01" * 8)}, _quant(None))) != speed_format(a)
+    assert speed_format(_checkpoint(tmp_path / "d", {"w": ("BF16", [4, 1], b"\x01" * 8)}, _quant(None))) != speed_format(a)
+    assert speed_format(_checkpoint(tmp_path / "e", {"w": ("BF16", [2, 2], b"\x01" * 8)}, _quant("group"))) != speed_format(a)
+    # A folder without weights (a load-time variant's descriptor) has no format of its own to share.
+    (tmp_path / "f").mkdir()
+    assert speed_format(tmp_path / "f") is None
+
+
+@pytest.mark.slow
+def test_checkpoints_of_one_format_are_measured_once(tmp_path, prefect_api):
+    if not TINY_MODEL.exists():
+        pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
+    cat = tmp_path / "catalog.yaml"
+    cat.write_text(textwrap.dedent(f"""
+        version: 1
+        variants:
+          rtn-w4a16-g32: {{method: rtn, scheme: W4A16, group_size: 32}}
+          gptq-w4a16-g32: {{method: gptq, scheme: W4A16, group_size: 32}}
+          rtn-w8a16: {{method: rtn, scheme: W8A16, group_size: null}}
+        suites:
+          stories:
+            tasks: [{{name: qg_simple_stories, limit: 2}}]
+            batch_size: 8
+        scenarios:
+          micro: {{kind: offline, engines: [transformers], device: cpu, num_prompts: 2, input_len: 8, output_len: 4,
+                  batch_size: 2, repetitions: 1, warmup: 0}}
+        models:
+          - id: tiny
+            source: {{kind: local, path: {TINY_MODEL}}}
+            variants: [rtn-w4a16-g32, gptq-w4a16-g32, rtn-w8a16]
+            suite: stories
+            scenarios: [micro]
+            calibration: {{kind: text, samples: 4, seq_len: 32}}
+        policy:
+          version: 1
+          quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.5, higher_is_better: false}}]
+          speed: {{engine: transformers, scenario: micro, min_speedup: 0.01}}
+          max_size_ratio: 1.0
+    """))
+    wh = tmp_path / "w.duckdb"
+    result = run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(tmp_path / "work")], prefect_api)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with store.session(wh, read_only=True) as con:
+        paths = dict(con.execute("SELECT name, path FROM variants").fetchall())
+        assert speed_format(paths["rtn-w4a16-g32"]) == speed_format(paths["gptq-w4a16-g32"]) != speed_format(paths["rtn-w8a16"])
+        measured = {n for (n,) in con.execute("SELECT DISTINCT v.name FROM speed_results s JOIN variants v USING (variant_uid)").fetchall()}
+        # The base, one of the two W4A16 builds (the first ready), and the W8A16 build.
+        assert len(measured) == 3 and {"base", "rtn-w8a16"} <= measured
+        (taker,) = {"rtn-w4a16-g32", "gptq-w4a16-g32"} - measured
+        (measurer,) = {"rtn-w4a16-g32", "gptq-w4a16-g32"} - {taker}
+        uid = dict(con.execute("SELECT name, variant_uid FROM variants").fetchall())
+        assert con.execute("SELECT speed_variant_uid FROM run_variants WHERE variant_uid = ?",
+                           [uid[taker]]).fetchone()[0] == uid[measurer]
+        # Every variant is judged on speed, the taker on its format's rows, under its own uid.
+        speedups = dict(con.execute("SELECT v.name, s.speedup FROM variant_speedup s JOIN variants v USING (variant_uid)").fetchall())
+        assert speedups[taker] == speedups[measurer] is not None and speedups["rtn-w8a16"] is not None
+        detail, starts = con.execute("SELECT st.detail, t.engine_starts FROM run_stages st JOIN stage_times t"
+                                     " ON t.run_id = st.run_id AND t.stage = st.stage AND t.item = st.item"
+                                     " WHERE st.stage = 'benchmark' AND st.item = ?", [uid[taker]]).fetchone()
+        assert detail == f"same format as {measurer}: its speed rows" and starts == 0
+        assert con.execute("SELECT count(*) FROM decisions").fetchone()[0] == 3
