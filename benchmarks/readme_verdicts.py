@@ -6,7 +6,9 @@
 The folder holds the tables a run measured (Parquet, as `quantgate export --tables-only` writes them); they are
 loaded through today's migrations and views (benchmarks/summarize.py), and the section lists, per variant, its
 verdict, each gated quality check with its interval and power, the flip rate, the KL divergence, the speedup
-on the gated engine and the cost per million output tokens. Nothing in it is typed by hand.
+on the gated engine and the cost per million output tokens; then the base's score on each gated check beside
+the figure its makers published, with protocol and source, from the model's `published` list in the catalog
+(--catalog, default catalog/models.yaml, loaded through its schema). Nothing in it is typed by hand.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.summarize import load  # noqa: E402
+from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, PublishedFigure, load_catalog  # noqa: E402
 from quantgate.warehouse import store  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 BEGIN, END = "<!-- verdicts:begin -->", "<!-- verdicts:end -->"
 
 
@@ -29,7 +33,52 @@ def _num(value: Any, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def section(folder: Path) -> str:
+def _shown(path: Path) -> str:
+    path = path.resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.as_posix()
+
+
+def _published(catalog: Path, model_id: str) -> tuple[dict[tuple[str, str], PublishedFigure], str | None]:
+    """The model's published figures by (task, metric), or none and why."""
+    try:
+        spec = load_catalog(catalog).model(model_id)
+    except CatalogError as e:
+        if f"unknown model {model_id!r}" not in str(e):
+            raise
+        return {}, f"{_shown(catalog)} has no model {model_id}, so no published figure stands beside its scores."
+    figures = {(f.task, f.metric): f for f in spec.published}
+    why = None if figures else (f"{_shown(catalog)} declares no published figure for {model_id}"
+                                " (its `published` list; the comment there says why).")
+    return figures, why
+
+
+def _base_beside_published(con: Any, run_id: str, model_id: str, catalog: Path) -> list[str]:
+    figures, why = _published(catalog, model_id)
+    base = store.rows(con, "SELECT c.name, c.task, c.metric, json_extract_string(c.detail, '$.filter') AS filter,"
+                           " min(c.position) AS position, any_value(q.value) AS value,"
+                           " any_value(q.n_samples) AS items, any_value(q.protocol) AS protocol"
+                           " FROM decision_checks c LEFT JOIN stg_run_quality q ON q.run_id = c.run_id"
+                           " AND q.role = 'base' AND q.task = c.task AND q.metric = c.metric"
+                           " AND q.filter = json_extract_string(c.detail, '$.filter')"
+                           " WHERE c.run_id = ? AND c.kind = 'quality' GROUP BY ALL ORDER BY position", [run_id])
+    rows = [(r["name"] + (f" ({r['filter']})" if r["filter"] not in (None, "none") else ""), r["value"], r["items"],
+             r["protocol"], figures.pop((r["task"], r["metric"]), None)) for r in base]
+    # A figure for a check this run did not gate (its policy then differed from today's catalog) is still shown.
+    rows += [(f"{f.task}/{f.metric}", None, None, None, f) for f in figures.values()]
+    lines = ["", f"The base beside the figures its makers published ({_shown(catalog)}, the model's `published`):", "",
+             "| gated check | base | items | our protocol | published | ours − published | their protocol | source |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, value, items, protocol, f in rows:
+        gap = None if f is None or value is None else value - f.value
+        lines.append(f"| {name} | {_num(value)} | {items or '—'} | {protocol or '—'} | {_num(f and f.value)} |"
+                     f" {'—' if gap is None else f'{gap:+.3f}'} | {f.protocol if f else '—'} |"
+                     f" {f.source if f else '—'} |")
+    if why:
+        lines += ["", why]
+    return lines
+
+
+def section(folder: Path, catalog: Path = DEFAULT_CATALOG) -> str:
     con = load(folder)
     (run,) = store.rows(con, "SELECT r.run_id, r.model_id, r.started_at, t.wall_seconds, t.engine_starts"
                              " FROM runs r JOIN run_timeline t USING (run_id) WHERE r.flow_name = 'evaluate-model'"
@@ -49,8 +98,9 @@ def section(folder: Path) -> str:
              f" {run['wall_seconds']:.0f} s from start to decisions, {run['engine_starts']} engine starts,"
              f" {evals['reused']} of its {evals['n']} evaluations reused from an earlier run; speed measured on"
              f" {', '.join(scenarios) or 'nothing'}."
-             f" Generated by `python benchmarks/readme_verdicts.py {folder.as_posix()} --write` from the tables the"
-             " run wrote.", "",
+             f" Generated by `python benchmarks/readme_verdicts.py {folder.as_posix()}"
+             f"{'' if catalog == DEFAULT_CATALOG else f' --catalog {_shown(catalog)}'} --write` from the tables the"
+             " run wrote and the catalog.", "",
              "| variant | verdict | size | speedup | US$ / M tokens | flip rate | KL | deciding check |",
              "|---|---|---|---|---|---|---|---|"]
     for r in card:
@@ -64,6 +114,7 @@ def section(folder: Path) -> str:
         interval = "—" if c["lower"] is None else f"[{_num(c['lower'])}, {_num(c['upper'])}]"
         lines.append(f"| {c['variant']} | {c['name']} | {_num(c['value'])} | {interval} |"
                      f" {_num(c['min_detectable_drop'])} | {c['items'] or '—'} | {c['outcome']} |")
+    lines += _base_beside_published(con, run["run_id"], run["model_id"], catalog)
     lines.append(END)
     return "\n".join(lines)
 
@@ -71,9 +122,14 @@ def section(folder: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path)
+    parser.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG,
+                        help="the catalog whose model's published figures stand beside the base (default: %(default)s)")
     parser.add_argument("--write", action="store_true", help="replace the section in README.md")
     args = parser.parse_args()
-    text = section(args.folder)
+    try:
+        text = section(args.folder, args.catalog)
+    except CatalogError as e:
+        sys.exit(f"error: {e}")
     if not args.write:
         print(text)
         return

@@ -622,6 +622,31 @@ def load_gpu_suite(path: str | Path) -> GpuSuiteSpec:
     return suite.model_copy(update={"scenarios": scenarios})
 
 
+# Metrics lm-eval reports as a fraction in [0, 1]; a published figure for one is written the same way.
+FRACTION_METRICS = ("acc", "acc_norm", "exact_match")
+
+
+class PublishedFigure(Strict):
+    """A score the model's makers published for one of its gated checks (a quality gate's task and metric),
+    shown beside the base's measured value (benchmarks/readme_verdicts.py); no gate reads it. `value` is in
+    the metric's own units as lm-eval reports it (accuracy 0.602, not 60.2); `protocol` is the publisher's
+    (shots, chain of thought, base or instruct model); `source` cites where it is printed (document, version,
+    table)."""
+
+    task: str
+    metric: str
+    value: float = Field(ge=0, allow_inf_nan=False)
+    protocol: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _fraction(self) -> PublishedFigure:
+        if self.metric in FRACTION_METRICS and self.value > 1:
+            raise ValueError(f"{self.metric} is a fraction in [0, 1], got {self.value:g}"
+                             f" (a percentage? write {self.value / 100:g})")
+        return self
+
+
 class ModelSpec(Strict):
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]*$")
     source: Source
@@ -633,6 +658,8 @@ class ModelSpec(Strict):
     trust_remote_code: bool = False
     # A model's own acceptance policy (a file beside the catalog), e.g. to leave out a task it is at chance on.
     policy: Policy | None = None
+    # Published figures for its gated checks, one per check, with their source: shown beside the base's scores.
+    published: tuple[PublishedFigure, ...] = ()
 
 
 class QualityGate(Strict):
@@ -776,6 +803,16 @@ class Catalog(Strict):
             for s in m.scenarios:
                 if s not in self.scenarios:
                     raise ValueError(f"models.{i}.scenarios: unknown scenario {s!r}; defined: {sorted(self.scenarios)}")
+            gated = [(g.task, g.metric) for g in (m.policy or self.policy).quality]
+            seen: set[tuple[str, str]] = set()
+            for j, f in enumerate(m.published):
+                check = (f.task, f.metric)
+                if check not in gated:
+                    raise ValueError(f"models.{i}.published.{j}: {f.task}/{f.metric} is not a quality gate of the"
+                                     f" model's policy; gated: {[f'{t}/{k}' for t, k in gated]}")
+                if check in seen:
+                    raise ValueError(f"models.{i}.published.{j}: a second figure for {f.task}/{f.metric}; one per check")
+                seen.add(check)
         if self.policy.speed and self.policy.speed.scenario not in self.scenarios:
             raise ValueError(f"policy.speed.scenario: unknown scenario {self.policy.speed.scenario!r}")
         if (gate := self.policy.serving) and (gate.scenario not in self.scenarios
@@ -919,7 +956,8 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
     for v in chosen:
         if v not in catalog.variants:
             raise CatalogError(f"unknown variant {v!r}: the catalog defines {sorted(catalog.variants)}")
-    return base.model_copy(update={"id": model_id, "source": source, "variants": chosen, **override})
+    # The template's published figures are another model's.
+    return base.model_copy(update={"id": model_id, "source": source, "variants": chosen, "published": (), **override})
 
 
 def with_revision(spec: ModelSpec, revision: str | None) -> ModelSpec:

