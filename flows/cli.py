@@ -78,9 +78,27 @@ def run(
             stages = store.stage_summary(con, card[0]["run_id"])
             timeline = store.rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [card[0]["run_id"]])
         _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"])
+        warm = sum(s["engine_starts"] or 0 for s in stages if s["stage"] == "compile")
         for t in timeline:
             console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
-                          f"{t['engine_starts']} engine start(s)")
+                          f"{t['engine_starts']} engine start(s)" + (f", {warm} of them compile warm-ups" if warm else ""))
+
+
+@app.command()
+def pull(
+    model: Annotated[str, typer.Argument(help="catalog id, local model folder, or hub id org/name[@revision]")],
+    catalog: CatalogOpt = None,
+    workdir: WorkdirOpt = None,
+) -> None:
+    """Download a model into the work dir without evaluating it (a GGUF is dequantized once); runs reuse it."""
+    import time
+
+    from quantgate.flows.pull import pull_model
+
+    started = time.monotonic()
+    found = pull_model(model=model, catalog=str(catalog) if catalog else None,
+                       workdir=str(workdir) if workdir else None)
+    console.print(f"{found.model_id}: {found.path} ({found.size_bytes or 0:,} bytes) in {time.monotonic() - started:.1f} s")
 
 
 def _names(csv: str | None) -> list[str] | None:

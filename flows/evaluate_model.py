@@ -257,9 +257,9 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
         if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
             base_quality.result()
-        ready(base)
         builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup, ready)
                   for name in spec.variants]
+        ready(base)  # after the builds, which start first: the slowest build is the run's critical path
         base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
         built = [future.result() for future in builds]
     variants_ok = [v for v, usable in built if usable]

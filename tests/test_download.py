@@ -422,3 +422,19 @@ def test_gguf_from_package_converts_once_and_answers(tmp_path: Path) -> None:
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
+
+
+def test_pull_fetches_into_the_work_dir_cache_that_runs_reuse(tmp_path: Path, prefect_api: str) -> None:
+    """`quantgate pull` stores the download under the work dir's task cache, keyed as a run's download stage keys
+    it, so the next run on that work dir finds it there instead of fetching (or dequantizing) again."""
+    from quantgate.catalog.schema import adhoc_model, load_catalog
+    from quantgate.tasks.caching import CACHE_DIR, download_key
+    from tests.cli_runs import run_cli
+
+    work = tmp_path / "work"
+    result = run_cli(["pull", "stories260k", "--workdir", str(work)], prefect_api)
+    assert result.returncode == 0, result.stderr[-2000:]
+    spec = adhoc_model(load_catalog(), "stories260k")
+    assert f"stories260k: {spec.source.path} (" in result.stdout
+    key = download_key(spec, work / CACHE_DIR)
+    assert key is not None and (work / CACHE_DIR / "keys" / key).is_file()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The reference run on the GPU machine: Qwen2.5-Coder-1.5B-Instruct (assembled from its 22 registry parts, staged
-# in $QUANTGATE_WHEELHOUSE by stage_reference_model.sh), its AWQ, GPTQ and FP8 variants, the reference suite and
-# scenarios, decided by `quantgate run`, timed from start to exit. After the devkit install and the staging, from
+# in $QUANTGATE_WHEELHOUSE by stage_reference_model.sh) and pulled into the work dir (`quantgate pull`, timed on its
+# own: a nightly finds its models pulled), its variants, the reference suite and scenarios, decided by
+# `quantgate run`, timed from start to exit. After the devkit install and the staging, from
 # the repository root (carry [".gpu-carry/data"] for the offline eval data), under background.sh:
 #
 #     bash benchmarks/gpu/run_reference.sh [quantgate run options, e.g. --gpus 0,1]
@@ -23,12 +24,21 @@ export QUANTGATE_WHEELHOUSE="${QUANTGATE_WHEELHOUSE:-/root/qg-wheelhouse}"
 WH="$RESULTS/reference.duckdb"
 QG=(python3 -m quantgate.flows.cli)
 MODEL="${QG_MODEL:-qwen2.5-coder-1.5b-instruct}"
+# Unmeasured jobs sharing the GPU while builds run: evaluations and compile warm-ups of a 1.5B model take ~10 GB each.
+export QUANTGATE_SHARED_JOBS_PER_GPU="${QUANTGATE_SHARED_JOBS_PER_GPU:-6}"
+{
+    echo "== $(date -u +%FT%TZ) quantgate pull $MODEL"
+    pull_started=$(date +%s.%N)
+    "${QG[@]}" pull "$MODEL" --workdir "$WORK"
+    echo "== pull exit code $? after $(python3 -c "print(f'{$(date +%s.%N) - $pull_started:.1f}')") s"
+    echo "== $(date -u +%FT%TZ) quantgate run $MODEL $* on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+} > "$LOG" 2>&1
+pull_line=$(grep '^== pull exit code' "$LOG")
 started=$(date +%s.%N)
 {
-    echo "== $(date -u +%FT%TZ) quantgate run $MODEL $* on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
     timeout -s INT -k 90 "${QG_TIMEOUT_S:-900}" "${QG[@]}" run "$MODEL" --warehouse "$WH" --workdir "$WORK" "$@"
     echo "== exit code $? at $(date -u +%FT%TZ)"
-} > "$LOG" 2>&1
+} >> "$LOG" 2>&1
 ended=$(date +%s.%N)
 wall=$(python3 -c "print(f'{$ended - $started:.1f}')")
 tail -n 40 "$LOG"
@@ -39,6 +49,7 @@ sql() { "${QG[@]}" sql "$1" -w "$WH" -f markdown; }
     echo
     echo "\`bash benchmarks/gpu/run_reference.sh $*\` on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)."
     echo "Wall time of \`quantgate run\`, from start to exit: **${wall} s** (measured by this script)."
+    echo "Before it, \`quantgate pull\` put the model in the work dir (registry parts assembled, GGUF dequantized to bf16): ${pull_line#== }."
     echo
     echo "## Where the time went (from the warehouse)"
     python3 benchmarks/stage_times.py "$WH"

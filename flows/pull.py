@@ -1,0 +1,18 @@
+"""pull-model: a model into the work dir, as evaluate-model's download stage fetches it (a hub snapshot at its
+revision, a local folder's hash, a GGUF dequantized to 16 bits), so that later runs on the same work dir reuse it.
+Nothing is written to the warehouse: the run that uses the model records it."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from quantgate.catalog.schema import DEFAULT_CATALOG, adhoc_model, load_catalog
+from quantgate.flows.evaluate_model import work_dir
+from quantgate.tasks.caching import download_cached
+from quantgate.tasks.records import ModelArtifact
+
+
+@flow(name="pull-model")
+def pull_model(model: str, catalog: str | None = None, workdir: str | None = None) -> ModelArtifact:
+    spec = adhoc_model(load_catalog(catalog or DEFAULT_CATALOG), model)
+    return download_cached(spec, work_dir(workdir))
