@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
-from quantgate.tasks.speed.warmup import warm_up
+from quantgate.tasks.speed.warmup import WARMUP_TIMEOUT_S, WarmUp, warm_up
 from quantgate.warehouse import store
 
 
@@ -250,9 +251,12 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
     with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
         def ready(v: VariantArtifact) -> None:
-            """A checkpoint is there: it claims its speed key, and warms the vLLM starts it will measure."""
-            if plan.claim(v) and warm:
-                pool.submit(_warm_compile, run, v, plan, root, remeasure)
+            """A checkpoint is there: it claims its speed key, and warms the vLLM starts it will measure, each a
+            job of its own."""
+            if plan.claim(v) and warm and (warms := _warm_ups_to_make(run, v, plan, remeasure)):
+                compile_stage = _CompileStage(run, v, len(warms))
+                for w in warms:
+                    pool.submit(compile_stage.warm, w, root)
 
         base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
         if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
@@ -384,26 +388,47 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
                 store.record_quality(commit.con, run.run_id, v.uid, reports[v.uid], link=False)
 
 
-def _warm_compile(run: _Run, v: VariantArtifact, plan: SpeedPlan, root: Path, remeasure: bool) -> None:
-    """Compile warm-ups of the vLLM starts that measuring `v` will make, beside the unmeasured work, as a stage
-    row with their engine starts; none when its speed is stored already."""
+def _warm_ups_to_make(run: _Run, v: VariantArtifact, plan: SpeedPlan, remeasure: bool) -> list[WarmUp]:
+    """The compile warm-ups of the vLLM starts that measuring `v` will make; none when its speed is stored."""
     if run.is_done("compile", v.uid) or run.is_done("benchmark", v.uid):
-        return
+        return []
     if not remeasure and run.read(lambda con: store.speed_source(con, plan.key(v))) is not None:
-        return
-    warms = plan.warm_ups(v)
-    if not warms:
-        return
-    run.enter("compile", v.name)
-    started = store.now()
-    log_dir = root / dispatch.SERVING_LOGS / v.name / "warm-ups"
-    problems = [f"{w.label}: {why}" for w in warms if (why := warm_up(v.path or "", w, log_dir)) is not None]
-    for problem in problems:
-        get_run_logger().warning("%s: compile warm-up failed, its measured start compiles instead (%s)", v.name, problem)
-    detail = f"{len(warms)} warm-up(s): " + ", ".join(w.label for w in warms)
-    with run.stage("compile", v.uid, detail + (f"; failed: {'; '.join(problems)}" if problems else ""), started,
-                   engine_starts=len(warms)):
-        pass
+        return []
+    return plan.warm_ups(v)
+
+
+class _CompileStage:
+    """A checkpoint's compile warm-ups, each run as a job of its own beside the unmeasured work (in a process of
+    its own, so that an interrupt reaches it); the last to end writes the stage row with their engine starts."""
+
+    def __init__(self, run: _Run, v: VariantArtifact, count: int) -> None:
+        self.run, self.v, self.left = run, v, count
+        self.done: list[str] = []
+        self.problems: list[str] = []
+        self.started = store.now()
+        self.lock = threading.Lock()
+        run.enter("compile", v.name)
+
+    def warm(self, w: WarmUp, root: Path) -> None:
+        log_dir = root / dispatch.SERVING_LOGS / self.v.name / "warm-ups"
+        try:
+            why = launch.on_gpus(None, WARMUP_TIMEOUT_S, warm_up, self.v.path or "", w, log_dir)
+        except launch.LaunchError as e:
+            why = str(e)
+        if why is not None:
+            get_run_logger().warning("%s: compile warm-up of %s failed; its measured start compiles instead (%s)",
+                                     self.v.name, w.label, why)
+        with self.lock:
+            self.done.append(w.label)
+            if why is not None:
+                self.problems.append(f"{w.label}: {why}")
+            self.left -= 1
+            if self.left:
+                return
+        detail = f"{len(self.done)} warm-up(s): {', '.join(self.done)}"
+        with self.run.stage("compile", self.v.uid, detail + "".join(f"; failed {p}" for p in self.problems),
+                            self.started, engine_starts=len(self.done)):
+            pass
 
 
 def _benchmark(run: _Run, checkpoints: list[VariantArtifact], plan: SpeedPlan, spec: ModelSpec, cat: Catalog,

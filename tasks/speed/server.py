@@ -90,16 +90,19 @@ def start_server(
         process=proc,
     )
     deadline = time.monotonic() + ready_timeout_s
-    while True:
-        if proc.poll() is not None:
-            end_group(proc, grace_s=5)  # children it left behind
-            raise ServingError(f"server exited with code {proc.returncode} before it was ready: {log_tail(log)}")
-        if _healthy(handle.base_url):
-            return handle
-        if time.monotonic() > deadline:
-            handle.stop()
-            raise ServingError(f"server not ready after {ready_timeout_s:.0f}s (log {log}): {log_tail(log)}")
-        time.sleep(0.5)
+    try:
+        while True:
+            if proc.poll() is not None:
+                end_group(proc, grace_s=5)  # children it left behind
+                raise ServingError(f"server exited with code {proc.returncode} before it was ready: {log_tail(log)}")
+            if _healthy(handle.base_url):
+                return handle
+            if time.monotonic() > deadline:
+                raise ServingError(f"server not ready after {ready_timeout_s:.0f}s (log {log}): {log_tail(log)}")
+            time.sleep(0.5)
+    except BaseException:  # an interrupt while it starts too: the server must not outlive its caller
+        handle.stop(grace_s=5)
+        raise
 
 
 def _port_free(host: str, port: int) -> bool:
