@@ -20,8 +20,8 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from quantgate.catalog.schema import (
-    DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model, load_catalog,
-    with_revision,
+    DEFAULT_CATALOG, CalibrationSpec, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model,
+    load_catalog, with_revision,
 )
 from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
@@ -247,7 +247,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
         if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
             base_quality.result()
-        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup)
+        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name],
+                              cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup)
                   for name in spec.variants]
         base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
         built = [future.result() for future in builds]
@@ -278,17 +279,19 @@ def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArti
 
     def download() -> ModelArtifact:
         model = download_cached(spec, root)
-        # Before anything of the model is stored: calibration sharing text with what is evaluated is refused.
-        if any(cat.variants[n].needs_calibration for n in spec.variants):
-            check_calibration_task(spec.calibration, model.path, cat.suites[spec.suite])
+        # Before anything of the model is stored: calibration sharing text with what is evaluated is refused,
+        # for every set a variant of it is built with (each set once).
+        for calib in cat.calibration_sets(spec):
+            check_calibration_task(calib, model.path, cat.suites[spec.suite])
         return model
 
     return run.step("download", "", stored=stored, compute=download, write=write, label=spec.id)
 
 
-def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spec: ModelSpec, root: Path,
-                        suite: SuiteSpec, setup: EvalSetup) -> tuple[VariantArtifact, bool]:
-    """A variant built (or reused) and, when it built, evaluated: (variant, usable for the next stages)."""
+def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, calib: CalibrationSpec, spec: ModelSpec,
+                        root: Path, suite: SuiteSpec, setup: EvalSetup) -> tuple[VariantArtifact, bool]:
+    """A variant built (or reused) with calibration set `calib` and, when it built, evaluated: (variant, usable
+    for the next stages)."""
     log = get_run_logger()
 
     def stored(con: Any) -> VariantArtifact | None:
@@ -296,7 +299,7 @@ def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spe
         return variant_from_row(row, vspec) if row else None
 
     def build() -> VariantArtifact:
-        variant = build_cached(model, vspec, spec.calibration, root, lambda uid: run.read(lambda c: store.find_variant(c, uid)))
+        variant = build_cached(model, vspec, calib, root, lambda uid: run.read(lambda c: store.find_variant(c, uid)))
         log.info("%s: %s%s", vspec.name, "reused" if variant.reused else variant.status,
                  f" ({variant.error})" if variant.error else "")
         return variant
