@@ -156,6 +156,10 @@ class VariantSpec(Strict):
     group_size: int | None = 128
     ignore: tuple[str, ...] = ("lm_head",)
     calibration: bool | None = None
+    # The name of one of the catalog's `calibrations:` this variant is built with instead of its model's
+    # calibration (e.g. two calibration sets of one recipe compared in one run). Only for a variant that takes
+    # calibration; None: the model's.
+    calibration_set: str | None = None
     # bnb 4-bit only: quantize the per-block scales too (QLoRA's double quantization).
     double_quant: bool = False
 
@@ -186,6 +190,10 @@ class VariantSpec(Strict):
             raise ValueError("double_quant applies to method 'bnb' only")
         if self.group_size is not None and (self.group_size < 8 or self.group_size & (self.group_size - 1)):
             raise ValueError(f"group_size must be a power of two >= 8 or null (per channel), got {self.group_size}")
+        if self.calibration_set is not None and not self.needs_calibration:
+            why = "calibration: false" if self.calibration is False else f"method {self.method!r} takes none"
+            raise ValueError(f"calibration_set {self.calibration_set!r} given, but the variant takes no calibration"
+                             f" ({why})")
         return self
 
     @property
@@ -794,6 +802,10 @@ class Catalog(Strict):
 
     @model_validator(mode="after")
     def _references_resolve(self) -> Catalog:
+        for name, v in self.variants.items():
+            if v.calibration_set is not None and v.calibration_set not in self.calibrations:
+                raise ValueError(f"variants.{name}.calibration_set: unknown calibration set {v.calibration_set!r};"
+                                 f" defined: {sorted(self.calibrations)}")
         for i, m in enumerate(self.models):
             for v in m.variants:
                 if v not in self.variants:
@@ -840,6 +852,21 @@ class Catalog(Strict):
             if m.id == model_id:
                 return m
         raise CatalogError(f"unknown model {model_id!r}: the catalog has {[m.id for m in self.models]}")
+
+    def calibration_for(self, model: ModelSpec, variant: VariantSpec) -> CalibrationSpec:
+        """The calibration set `variant` of `model` is built with: the variant's own `calibration_set`, else the
+        model's calibration (which a variant that takes no calibration ignores)."""
+        return self.calibrations[variant.calibration_set] if variant.calibration_set else model.calibration
+
+    def calibration_sets(self, model: ModelSpec) -> list[CalibrationSpec]:
+        """Every distinct calibration set the model's calibrated variants are built with, each once (two sets of
+        the same content are one), in the order of the model's variants."""
+        sets: dict[str, CalibrationSpec] = {}
+        for name in model.variants:
+            if self.variants[name].needs_calibration:
+                calib = self.calibration_for(model, self.variants[name])
+                sets.setdefault(_hash(calib.model_dump(mode="json", exclude={"name"})), calib)
+        return list(sets.values())
 
     @property
     def hash(self) -> str:
@@ -897,6 +924,11 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
     def resolve(p: str | None) -> str | None:
         return None if p is None else str((base / Path(p).expanduser()).resolve())
 
+    def resolve_calibration(calib: CalibrationSpec) -> CalibrationSpec:
+        if isinstance(calib, TextCalibration | ChatCalibration):
+            return calib.model_copy(update={"path": resolve(calib.path)})
+        return calib
+
     models = []
     for m in catalog.models:
         src = m.source
@@ -904,10 +936,9 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
             src = src.model_copy(update={"path": resolve(src.path)})
         elif isinstance(src, GgufSource) and src.path:
             src = src.model_copy(update={"path": resolve(src.path)})
-        calib = m.calibration
-        if isinstance(calib, TextCalibration | ChatCalibration):
-            calib = calib.model_copy(update={"path": resolve(calib.path)})
-        models.append(m.model_copy(update={"source": src, "calibration": calib}))
+        models.append(m.model_copy(update={"source": src, "calibration": resolve_calibration(m.calibration)}))
+    # The named sets too: variants are built with them by name (Catalog.calibration_for).
+    calibrations = {name: resolve_calibration(c) for name, c in catalog.calibrations.items()}
     suites = {
         name: s.model_copy(
             update={"tasks": tuple(t.model_copy(update={"include_path": resolve(t.include_path)}) for t in s.tasks),
@@ -920,7 +951,7 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
     }
     endpoints = {name: e.model_copy(update={"tokenizer": resolve(e.tokenizer)}) for name, e in catalog.endpoints.items()}
     return catalog.model_copy(update={"models": tuple(models), "suites": suites, "scenarios": scenarios,
-                                      "endpoints": endpoints})
+                                      "endpoints": endpoints, "calibrations": calibrations})
 
 
 def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None,

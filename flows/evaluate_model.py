@@ -21,8 +21,8 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from quantgate.catalog.schema import (
-    DEFAULT_CATALOG, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model, load_catalog,
-    with_revision,
+    DEFAULT_CATALOG, CalibrationSpec, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model,
+    load_catalog, with_revision,
 )
 from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
@@ -261,7 +261,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
         if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
             base_quality.result()
-        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name], spec, root, suite, setup, ready)
+        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name],
+                              cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup, ready)
                   for name in spec.variants]
         ready(base)  # after the builds, which start first: the slowest build is the run's critical path
         base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
@@ -293,18 +294,20 @@ def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArti
 
     def download() -> ModelArtifact:
         model = download_cached(spec, root)
-        # Before anything of the model is stored: calibration sharing text with what is evaluated is refused.
-        if any(cat.variants[n].needs_calibration for n in spec.variants):
-            check_calibration_task(spec.calibration, model.path, cat.suites[spec.suite])
+        # Before anything of the model is stored: calibration sharing text with what is evaluated is refused,
+        # for every set a variant of it is built with (each set once).
+        for calib in cat.calibration_sets(spec):
+            check_calibration_task(calib, model.path, cat.suites[spec.suite])
         return model
 
     return run.step("download", "", stored=stored, compute=download, write=write, label=spec.id)
 
 
-def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spec: ModelSpec, root: Path,
-                        suite: SuiteSpec, setup: EvalSetup,
+def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, calib: CalibrationSpec, spec: ModelSpec,
+                        root: Path, suite: SuiteSpec, setup: EvalSetup,
                         ready: Callable[[VariantArtifact], None]) -> tuple[VariantArtifact, bool]:
-    """A variant built (or reused), announced `ready`, and evaluated: (variant, usable for the next stages)."""
+    """A variant built (or reused) with calibration set `calib`, announced `ready`, and evaluated: (variant, usable
+    for the next stages)."""
     log = get_run_logger()
 
     def stored(con: Any) -> VariantArtifact | None:
@@ -312,7 +315,7 @@ def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, spe
         return variant_from_row(row, vspec) if row else None
 
     def build() -> VariantArtifact:
-        variant = build_cached(model, vspec, spec.calibration, root, lambda uid: run.read(lambda c: store.find_variant(c, uid)))
+        variant = build_cached(model, vspec, calib, root, lambda uid: run.read(lambda c: store.find_variant(c, uid)))
         log.info("%s: %s%s", vspec.name, "reused" if variant.reused else variant.status,
                  f" ({variant.error})" if variant.error else "")
         return variant

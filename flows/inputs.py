@@ -1,7 +1,8 @@
 """What an evaluation of a model depends on, hashed: the nightly re-evaluates a model when this changes.
 
-The inputs are the checkpoint (commit sha or content hash), every variant's spec, the suite, the
-scenarios, the calibration, the acceptance policy and the library versions that build and score.
+The inputs are the checkpoint (commit sha or content hash), every variant's spec (with the calibration set it
+names, if any), the suite, the scenarios, the model's calibration, the acceptance policy and the library versions
+that build and score.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def model_inputs(cat: Catalog, spec: ModelSpec, sha: str) -> tuple[str, dict[str
     inputs = {
         "model": spec.id,
         "sha": sha,
-        "variants": {n: cat.variants[n].model_dump(mode="json") for n in spec.variants},
+        "variants": {n: _variant_inputs(cat, spec, n) for n in spec.variants},
         "suite": cat.suites[spec.suite].model_dump(mode="json"),
         "scenarios": {n: cat.scenarios[n].model_dump(mode="json") for n in spec.scenarios},
         "calibration": spec.calibration.model_dump(mode="json"),
@@ -49,6 +50,16 @@ def model_inputs(cat: Catalog, spec: ModelSpec, sha: str) -> tuple[str, dict[str
         "versions": _versions(),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest(), inputs
+
+
+def _variant_inputs(cat: Catalog, spec: ModelSpec, name: str) -> dict[str, Any]:
+    """A variant's spec, its own calibration set in full where it names one (a change of the set's content is a
+    change of the variant). A variant without one dumps as it did before variants could name one: the model's
+    calibration is an input of its own, and the catalog's other models keep their inputs' hash."""
+    v = cat.variants[name]
+    if v.calibration_set is None:
+        return v.model_dump(mode="json", exclude={"calibration_set"})
+    return {**v.model_dump(mode="json"), "calibration_set": cat.calibration_for(spec, v).model_dump(mode="json")}
 
 
 def current_sha(spec: ModelSpec, work_root: Path, *, offline: bool | None = None) -> str:

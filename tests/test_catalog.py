@@ -66,6 +66,16 @@ MMLU_FIGURE = {"task": "qg_mmlu", "metric": "acc", "value": 0.6, "protocol": "5-
          "models.3.published.0: qg_hellaswag/acc is not a quality gate of the model's policy; gated: ['qg_mmlu/acc',"),
         (lambda d: d["models"][3].__setitem__("published", [MMLU_FIGURE, {**MMLU_FIGURE, "value": 0.5}]),
          "models.3.published.1: a second figure for qg_mmlu/acc; one per check"),
+        (lambda d: d["variants"]["gptq-w4a16-g128"].__setitem__("calibration_set", "nope"),
+         "variants.gptq-w4a16-g128.calibration_set: unknown calibration set 'nope'; defined: ['chat-holdout', "),
+        (lambda d: d["variants"]["fp8-dynamic"].__setitem__("calibration_set", "chat-holdout"),
+         "variants.fp8-dynamic: calibration_set 'chat-holdout' given, but the variant takes no calibration"
+         " (method 'fp8' takes none)"),
+        (lambda d: d["variants"]["bnb-nf4"].__setitem__("calibration_set", "chat-holdout"),
+         "variants.bnb-nf4: calibration_set 'chat-holdout' given, but the variant takes no calibration"),
+        (lambda d: d["variants"]["gptq-w4a16-g64"].update(calibration=False, calibration_set="chat-holdout"),
+         "variants.gptq-w4a16-g64: calibration_set 'chat-holdout' given, but the variant takes no calibration"
+         " (calibration: false)"),
         (lambda d: d.pop("policy"), "policy: Field required"),
         (lambda d: d.__setitem__("policy", {"version": 1, "quality": [],
                                             "serving": {"scenario": "gpu-throughput", "min_goodput_ratio": 1.0}}),
@@ -110,6 +120,20 @@ def test_published_figures_validate_against_the_models_own_gates(tmp_path):
         load_catalog(_write(tmp_path, data))
 
 
+def test_reference_model_compares_its_calibration_with_the_plain_one_of_before():
+    cat = load_catalog()
+    ref = cat.model("qwen2.5-coder-1.5b-instruct")
+    assert ref.variants[-2:] == ("awq-w4a16-g128-plain", "gptq-w4a16-g128-plain")
+    for method in ("awq", "gptq"):
+        own, plain = cat.variants[f"{method}-w4a16-g128"], cat.variants[f"{method}-w4a16-g128-plain"]
+        assert own.model_dump(exclude={"name", "calibration_set"}) == plain.model_dump(exclude={"name", "calibration_set"})
+        assert cat.calibration_for(ref, own) == ref.calibration and ref.calibration.kind == "eval_holdout"
+        calib = cat.calibration_for(ref, plain)
+        # 32 x 128 tokens of plain text, as before, of the standard library (not the stories: the KL text).
+        assert (calib.name, calib.kind, calib.samples, calib.seq_len, calib.path) == ("plain-32x128", "text", 32, 128, None)
+    assert [c.name for c in cat.calibration_sets(ref)] == [None, "plain-32x128"]
+
+
 def test_missing_model_policy_file_is_named(tmp_path):
     data = _base()
     data["models"][0]["policy"] = "nope.yaml"
@@ -147,3 +171,52 @@ def test_scenarios_named_for_one_run_replace_the_models_own():
         adhoc_model(cat, "smollm2-135m", scenarios=["warp-speed"])
     with pytest.raises(CatalogError, match="unknown engine 'tgi'"):
         adhoc_model(cat, "smollm2-135m", engines=["tgi"])
+
+
+def test_a_variant_is_built_with_its_own_calibration_set_else_its_models(tmp_path):
+    data = _base()
+    # A plain-text set; one with a relative path; one of the same content as stories260k's inline set.
+    data["calibrations"]["plain"] = {"kind": "text", "samples": 16, "seq_len": 64}
+    data["calibrations"]["notes"] = {"kind": "text", "path": "data/notes.txt", "samples": 2, "seq_len": 16}
+    data["calibrations"]["like-tiny"] = {"kind": "text", "samples": 64, "seq_len": 128}
+    data["variants"]["gptq-plain"] = {"method": "gptq", "calibration_set": "plain"}
+    data["variants"]["gptq-notes"] = {"method": "gptq", "calibration_set": "notes"}
+    data["variants"]["gptq-like-tiny"] = {"method": "gptq", "group_size": 32, "calibration_set": "like-tiny"}
+    ref = next(m for m in data["models"] if m["id"] == "qwen2.5-coder-1.5b-instruct")
+    ref["variants"] += ["gptq-plain", "gptq-notes"]
+    tiny = next(m for m in data["models"] if m["id"] == "stories260k")
+    tiny["variants"] += ["gptq-plain", "gptq-like-tiny"]
+    cat = load_catalog(_write(tmp_path, data))
+    ref, tiny, v = cat.model("qwen2.5-coder-1.5b-instruct"), cat.model("stories260k"), cat.variants
+
+    # No calibration_set: the model's calibration; one: that set, whatever the model's is.
+    assert cat.calibration_for(ref, v["gptq-w4a16-g128"]) == ref.calibration and ref.calibration.kind == "eval_holdout"
+    plain = cat.calibration_for(ref, v["gptq-plain"])
+    assert plain == cat.calibrations["plain"] == cat.calibration_for(tiny, v["gptq-plain"])
+    assert (plain.name, plain.kind, plain.samples, plain.seq_len, plain.path) == ("plain", "text", 16, 64, None)
+    # A named set's path resolves against the catalog file's folder, as a model's inline one does.
+    assert cat.calibration_for(ref, v["gptq-notes"]).path == str((tmp_path / "data" / "notes.txt").resolve())
+    # What the overlap check runs on: each distinct set of a calibrated variant once (fp8 takes none), in
+    # variant order; a named set of the same content as the model's is the same set.
+    assert [c.name for c in cat.calibration_sets(ref)][-2:] == ["plain", "notes"]
+    assert cat.calibration_sets(ref)[0] == ref.calibration
+    assert cat.calibration_sets(tiny) == [tiny.calibration, plain]
+
+
+def test_a_variants_calibration_set_is_an_input_of_its_models_evaluations(tmp_path):
+    from quantgate.flows.inputs import model_inputs
+
+    data = _base()
+    data["calibrations"]["plain"] = {"kind": "text", "samples": 32, "seq_len": 128}
+    data["variants"]["gptq-plain"] = {"method": "gptq", "calibration_set": "plain"}
+    ref, tiny = "qwen2.5-coder-1.5b-instruct", "stories260k"
+    next(m for m in data["models"] if m["id"] == ref)["variants"].append("gptq-plain")
+    before = load_catalog(_write(tmp_path, data))
+    data["calibrations"]["plain"]["samples"] = 64
+    after = load_catalog(_write(tmp_path, data))
+    digest, inputs = model_inputs(before, before.model(ref), "sha")
+    assert inputs["variants"]["gptq-plain"]["calibration_set"]["samples"] == 32
+    assert "calibration_set" not in inputs["variants"]["gptq-w4a16-g128"]  # dumped as before sets existed
+    # The set's content changed: the model whose variants name it changed, the others did not.
+    assert model_inputs(after, after.model(ref), "sha")[0] != digest
+    assert model_inputs(after, after.model(tiny), "sha")[0] == model_inputs(before, before.model(tiny), "sha")[0]
