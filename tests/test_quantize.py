@@ -22,7 +22,8 @@ from quantgate.tasks.quantize import (
     recipe_for,
     variant_uid,
 )
-from quantgate.tasks.records import ModelArtifact
+from quantgate.tasks.quantizers import llmcompressor
+from quantgate.tasks.records import CalibrationSamples, ModelArtifact
 
 DATA = SHARED
 TINY = DATA / "models" / "stories260k-i256"  # every Linear in_features divisible by 32 and 64
@@ -107,6 +108,22 @@ def test_variant_uid_depends_on_model_recipe_and_versions(model):
     assert uid != variant_uid(_artifact(TINY, "other-sha"), "r1", versions)
     assert uid != variant_uid(model, "r1", {**versions, "llmcompressor": "0.0.0"})
     assert uid != variant_uid(model, "r1", versions, calibration="c1")
+
+
+@pytest.mark.parametrize(
+    ("count", "seq_len", "batch_size"),
+    [(256, 512, 32), (8, 128, 8), (64, 128, 64), (200, 100, 163), (3, 32_768, 1)],
+)
+def test_calibration_runs_in_token_budget_batches(count, seq_len, batch_size, monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(llmcompressor, "oneshot", lambda **kwargs: seen.update(kwargs))
+    samples = CalibrationSamples(label="t", seq_len=seq_len, input_ids=((1,) * seq_len,) * count)
+    spec = VariantSpec(name="awq-w4a16-g32", method="awq", scheme="W4A16", group_size=32)
+    llmcompressor.quantize(TINY, spec, samples, tmp_path)
+    assert seen["batch_size"] == batch_size and seen["num_calibration_samples"] == count
+    assert batch_size * seq_len <= llmcompressor.CALIBRATION_TOKENS_PER_BATCH or batch_size == 1
+    # The batching is how the build runs, not what it builds: the recipe (and so the variant uid) omits it.
+    assert seen["recipe"] == llmcompressor.recipe_text(spec)
 
 
 def test_base_variant_points_at_the_model(model):

@@ -27,6 +27,8 @@ from quantgate.catalog.schema import VariantSpec
 from quantgate.tasks.records import CalibrationSamples
 
 TARGETS = ["Linear"]
+# Calibration tokens per batch: AWQ reruns each layer per batch per grid point, so fewer batches, less overhead.
+CALIBRATION_TOKENS_PER_BATCH = 16_384
 
 
 class QuantizeError(RuntimeError):
@@ -127,6 +129,11 @@ def _load(model_dir: Path, calibrated: bool) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
+def calibration_batch_size(num_samples: int, seq_len: int) -> int:
+    """Samples per calibration batch: as many as fit CALIBRATION_TOKENS_PER_BATCH, 1 to `num_samples`."""
+    return max(1, min(num_samples, CALIBRATION_TOKENS_PER_BATCH // max(seq_len, 1)))
+
+
 def quantize(model_dir: Path, spec: VariantSpec, samples: CalibrationSamples | None, out_dir: Path) -> None:
     """Quantize `model_dir` per `spec` into `out_dir` (compressed-tensors weights, recipe.yaml, tokenizer).
 
@@ -146,6 +153,11 @@ def quantize(model_dir: Path, spec: VariantSpec, samples: CalibrationSamples | N
             "num_calibration_samples": len(ids),
             "max_seq_length": samples.seq_len,
             "shuffle_calibration_samples": False,
+            # Every sample has seq_len tokens, so batches hold no padding, and what calibrates is the same
+            # whatever the batching: AWQ sums activations and squared errors over all tokens and divides by
+            # their count, GPTQ sums 2·x·xᵀ over all tokens and divides by the sample count; only the float
+            # summation order changes.
+            "batch_size": calibration_batch_size(len(ids), samples.seq_len),
         }
     with _awq_without_pinning(spec):
         oneshot(
