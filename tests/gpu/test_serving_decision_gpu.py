@@ -1,7 +1,10 @@
-"""Serving inside evaluate-model on the device: dispatch runs a serving scenario with a sweep of two points as
-real `vllm serve` starts for a base and a variant (the tiny model and a copy of it: four eager starts, ~2-3 min),
-the flow's store path writes the loads, variant_serving picks each one's tuned point, and the decision's serving
-check carries it. tests/test_sweep_cost.py checks the view's picks on chosen timings; this checks the real path."""
+"""Serving inside evaluate-model on the device: dispatch runs a serving scenario with a sweep of two points for a
+base and a variant (the tiny model and a copy of it) as real `vllm serve` starts, the flow's store path writes
+the loads, variant_serving picks each one's tuned point, and the decision's serving check carries it.
+tests/test_sweep_cost.py checks the view's picks on chosen timings; this checks the real path. The second point,
+a lower max_num_seqs, is one the sweep skips on real readings: the defaults' KV cache (read from the server's
+log) holds the highest load whole and the generous SLO is met at every load, so it cannot change the outcome
+(two eager starts, ~1-2 min; tests/gpu/test_sweep_gpu.py runs every point of a W4A16 sweep)."""
 
 from __future__ import annotations
 
@@ -58,10 +61,13 @@ def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_pa
 
     measured = run()
     assert [r.scenario for r, _ in measured["copy"]] == ["srv@default", "srv@max_num_seqs=4"]
-    assert all(r.status == "ok" and len(loads) == 2 for r, loads in measured["copy"]), measured["copy"]
+    (default, default_loads), (lower, lower_loads) = measured["copy"]
+    assert default.status == "ok" and len(default_loads) == 2 and default.kv_cache_tokens >= 8 * (32 + 16), default
+    assert lower.status == "skipped" and "cannot change the outcome" in (lower.reason or "") and not lower_loads
+    assert sum(r.details.get("engine_starts", 0) for r, _ in measured["copy"]) == 1  # the skipped point started nothing
     with store.session(wh, read_only=True) as con:
         (row,) = store.rows(con, "SELECT * FROM variant_serving")
-    assert row["variant_uid"] == "copy" and row["points"] == row["points_ok"] == 2
+    assert row["variant_uid"] == "copy" and (row["points"], row["points_ok"]) == (2, 1) and row["point"] == "default"
     assert row["goodput_requests_per_s"] > 0 and row["goodput_ratio"] > 0
     policy = Policy.model_validate({"version": 1, "quality": [],
                                     "serving": {"scenario": "srv", "min_goodput_ratio": 0.01}})
