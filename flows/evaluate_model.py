@@ -27,8 +27,8 @@ from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.tasks import faults, launch
 from quantgate.tasks.benchmark import speed_environment
-from quantgate.tasks.caching import build_cached, download_cached
-from quantgate.tasks.calibration import CalibrationError, check_calibration_task
+from quantgate.tasks.caching import build_cached, check_calibration_cached, download_cached
+from quantgate.tasks.calibration import CalibrationError
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_reports_task
 from quantgate.tasks.download import DownloadError
@@ -280,7 +280,7 @@ def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArti
         model = download_cached(spec, root)
         # Before anything of the model is stored: calibration sharing text with what is evaluated is refused.
         if any(cat.variants[n].needs_calibration for n in spec.variants):
-            check_calibration_task(spec.calibration, model.path, cat.suites[spec.suite])
+            check_calibration_cached(spec.calibration, model, cat.suites[spec.suite], root)
         return model
 
     return run.step("download", "", stored=stored, compute=download, write=write, label=spec.id)
