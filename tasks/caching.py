@@ -3,9 +3,10 @@
 A download is keyed by what identifies the checkpoint before fetching it (a hub commit sha, a local
 folder's content hash, a GGUF checkpoint's identity and the transformers version); a build by the variant uid,
 which is the model sha + recipe hash + quantizer library versions (+ the calibration data; for a
-bitsandbytes variant, its config and the bitsandbytes and transformers versions); a calibration check by what
-its verdict depends on (see `calibration_check_key`), and only a pass is kept: a refusal is a failed task, which
-leaves no record, so an overlapping set is refused on every run. Cache
+bitsandbytes variant, its config and the bitsandbytes and transformers versions), itself kept by its inputs
+(`remembered_quantize_key`) since computing it takes llm-compressor and the tokenizer; a calibration check by
+what its verdict depends on (see `calibration_check_key`), and only a pass is kept: a refusal is a failed task,
+which leaves no record, so an overlapping set is refused on every run. Cache
 records and results live in `<workdir>/cache/`, so every run and every worker that shares the work
 dir shares them, and a run that crashed resumes at the first step without a cache record.
 
@@ -19,7 +20,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from importlib.metadata import distributions
@@ -38,6 +41,7 @@ from quantgate.tasks.calibration import CalibrationError, load_calibration
 from quantgate.tasks.records import CalibrationSamples, ModelArtifact, VariantArtifact
 
 CACHE_DIR = "cache"
+KEY_MEMO = "build-keys"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -119,8 +123,28 @@ def _download_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
     return download_key(parameters["spec"], Path(parameters["cache_dir"]))
 
 
-def _quantize_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
-    return quantize_key(parameters["model"], parameters["spec"], parameters["calib"])
+def remembered_quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec, root: Path) -> str:
+    """quantize_key, kept under `root`/cache/build-keys by what it is computed from: the checkpoint, the variant
+    spec, for a calibrated method the set's spec and documents as read, and `environment`. Computing it builds
+    the recipe with llm-compressor and tokenizes the calibration set (seconds of imports, on a rerun that builds
+    nothing); the same inputs find it here."""
+    ident: dict[str, Any] = {"model": model.uid, "sha": model.sha, "variant": spec.model_dump(mode="json"),
+                             "environment": environment()}
+    if not spec.load_time and spec.needs_calibration:
+        ident["calibration"] = {"spec": calib.model_dump(mode="json"),
+                                "documents": _digest(calibration.calibration_documents(calib))}
+    memo = Path(root) / CACHE_DIR / KEY_MEMO / _digest(ident)[:32]
+    try:
+        if (key := memo.read_text()).startswith("quantize-"):
+            return key
+    except OSError:
+        pass
+    key = quantize_key(model, spec, calib)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=memo.parent, prefix=".", delete=False) as f:
+        f.write(key)
+    os.replace(f.name, memo)  # whole or not at all, whichever build of the work dir writes it
+    return key
 
 
 def _options(root: Path, key_fn: Callable[[Any, dict[str, Any]], str | None]) -> dict[str, Any]:
@@ -169,7 +193,8 @@ def build_cached(
     existing: Callable[[str], dict | None] | None = None,
 ) -> VariantArtifact:
     """build_variant_task with its result cached under `root`/cache; a cache hit is a reuse."""
-    task = quantize.build_variant_task.with_options(**_options(root, _quantize_key_fn))
+    task = quantize.build_variant_task.with_options(
+        **_options(root, lambda context, parameters: remembered_quantize_key(model, spec, calib, root)))
 
     def trusted(v: VariantArtifact) -> bool:
         return v.ok and v.path is not None and (Path(v.path) / quantize.MARKER).is_file()

@@ -1,6 +1,7 @@
 """Prefect task caching of download, the calibration check and quantize on the real tiny model (ephemeral API,
 real llm-compressor): a second run is served from the cache records under the work dir, a cached build whose
-checkpoint was deleted is built again rather than trusted, and a refused calibration set is refused every time."""
+checkpoint was deleted is built again rather than trusted, a build's key is not computed again for the same
+inputs, and a refused calibration set is refused every time."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 from prefect import flow
 
 from quantgate.catalog.schema import LocalSource, LocalTask, ModelSpec, SuiteSpec, TextCalibration, VariantSpec
-from quantgate.tasks import quantize
+from quantgate.tasks import caching, quantize
 from quantgate.tasks.caching import (
-    CACHE_DIR, build_cached, calibration_check_key, check_calibration_cached, download_cached, download_key,
-    quantize_key,
+    CACHE_DIR, KEY_MEMO, build_cached, calibration_check_key, check_calibration_cached, download_cached, download_key,
+    quantize_key, remembered_quantize_key,
 )
 from quantgate.tasks.calibration import CalibrationError, evaluated_documents
 from quantgate.tasks.records import ModelArtifact
@@ -150,3 +151,48 @@ def test_an_overlapping_calibration_is_refused_on_a_rerun_too(tmp_path, capfd):
     with store.session(tmp_path / "w.duckdb", read_only=True) as con:
         attempts = [a for (a,) in con.execute("SELECT attempt_id FROM run_attempts ORDER BY started_at").fetchall()]
     assert len(attempts) == 2 and all(task_states(a)["check calibration tiny"] == ["Failed"] for a in attempts)
+
+
+# --- the build key, kept by its inputs -----------------------------------------------------------------------
+
+GPTQ = VariantSpec(name="gptq-w4a16-g32", method="gptq", scheme="W4A16", group_size=32)
+PARAGRAPHS = "\n\n".join(f"Paragraph {i} of a calibration text that the tiny model's tokenizer splits into tokens."
+                         for i in range(8))
+
+
+def _recomputed(*args, **kwargs):
+    raise AssertionError("the build key was computed again")
+
+
+def test_a_build_key_is_computed_once_for_the_same_inputs(tiny_model, tmp_path, monkeypatch):
+    root = tmp_path / "work"
+    model = ModelArtifact(model_id="tiny", path=str(tiny_model), source="local", revision=None, sha="a" * 64)
+    text = tmp_path / "calibration.txt"
+    text.write_text(PARAGRAPHS)
+    calib = TextCalibration(path=str(text), samples=2, seq_len=16)
+    keys = {s.name: remembered_quantize_key(model, s, calib, root) for s in (INT8, GPTQ)}
+    assert keys == {s.name: quantize_key(model, s, calib) for s in (INT8, GPTQ)}
+    assert len(list((root / CACHE_DIR / KEY_MEMO).iterdir())) == 2
+    with monkeypatch.context() as m:  # the recipe and the calibration samples are not made again
+        m.setattr(quantize, "recipe_for", _recomputed)
+        m.setattr(caching, "load_calibration", _recomputed)
+        assert {s.name: remembered_quantize_key(model, s, calib, root) for s in (INT8, GPTQ)} == keys
+    # What the key is computed from changes: it is computed anew.
+    other = {
+        "checkpoint": remembered_quantize_key(replace(model, sha="b" * 64), INT8, calib, root),
+        "spec": remembered_quantize_key(model, GPTQ.model_copy(update={"group_size": 16}), calib, root),
+        "calibration spec": remembered_quantize_key(model, GPTQ, calib.model_copy(update={"seed": 1}), root),
+    }
+    text.write_text(PARAGRAPHS.replace("Paragraph", "Section"))
+    other["calibration documents"] = remembered_quantize_key(model, GPTQ, calib, root)
+    assert not set(other.values()) & set(keys.values()) and len(set(other.values())) == len(other)
+    # A calibrated key changes with the calibration; an uncalibrated one does not.
+    assert remembered_quantize_key(model, INT8, calib, root) == keys[INT8.name]
+
+
+def test_a_rerun_of_a_build_is_a_cache_hit_without_computing_its_key(tiny_model, tmp_path, monkeypatch):
+    root = tmp_path / "work"
+    _, _, built = fetch_and_build(str(tiny_model), str(root))
+    monkeypatch.setattr(quantize, "recipe_for", _recomputed)
+    run, _, again = fetch_and_build(str(tiny_model), str(root))
+    assert task_states(run)["quantize tiny/int8-w8a16"] == ["Cached"] and again.reused and again.uid == built.uid
