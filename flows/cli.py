@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import sys
@@ -340,6 +342,11 @@ def _cell(v: object) -> str:
 def main() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # At exit the interpreter's last garbage collections walk every object that torch, transformers and Prefect
+    # made: seconds, on a rerun that computes nothing. Frozen at exit (after Prefect's server stop, before
+    # logging's shutdown), they are left out of those walks; exit handlers still run and files are still flushed,
+    # only objects in reference cycles are not finalized, which Python does not promise at exit anyway.
+    atexit.register(gc.freeze)
     try:
         app(standalone_mode=False)
     except (typer.Exit, SystemExit) as e:

@@ -29,8 +29,8 @@ from quantgate.flows.inputs import model_inputs
 from quantgate.flows.speed_plan import SpeedPlan
 from quantgate.tasks import engines as engine_registry
 from quantgate.tasks import faults, launch
-from quantgate.tasks.caching import build_cached, download_cached
-from quantgate.tasks.calibration import CalibrationError, check_calibration_task
+from quantgate.tasks.caching import build_cached, check_calibration_cached, download_cached
+from quantgate.tasks.calibration import CalibrationError
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_reports_task
 from quantgate.tasks.download import DownloadError
@@ -295,9 +295,9 @@ def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArti
     def download() -> ModelArtifact:
         model = download_cached(spec, root)
         # Before anything of the model is stored: calibration sharing text with what is evaluated is refused,
-        # for every set a variant of it is built with (each set once).
+        # for every set a variant of it is built with (each set once; a pass is cached under the work dir).
         for calib in cat.calibration_sets(spec):
-            check_calibration_task(calib, model.path, cat.suites[spec.suite])
+            check_calibration_cached(calib, model, cat.suites[spec.suite], root)
         return model
 
     return run.step("download", "", stored=stored, compute=download, write=write, label=spec.id)

@@ -1,9 +1,12 @@
-"""Prefect task caching for the download and quantize steps, kept under the work dir.
+"""Prefect task caching for the download, calibration check and quantize steps, kept under the work dir.
 
 A download is keyed by what identifies the checkpoint before fetching it (a hub commit sha, a local
 folder's content hash, a GGUF checkpoint's identity and the transformers version); a build by the variant uid,
 which is the model sha + recipe hash + quantizer library versions (+ the calibration data; for a
-bitsandbytes variant, its config and the bitsandbytes and transformers versions). Cache
+bitsandbytes variant, its config and the bitsandbytes and transformers versions), itself kept by its inputs
+(`remembered_quantize_key`) since computing it takes llm-compressor and the tokenizer; a calibration check by
+what its verdict depends on (see `calibration_check_key`), and only a pass is kept: a refusal is a failed task,
+which leaves no record, so an overlapping set is refused on every run. Cache
 records and results live in `<workdir>/cache/`, so every run and every worker that shares the work
 dir shares them, and a run that crashed resumes at the first step without a cache record.
 
@@ -14,23 +17,31 @@ reuse (marker file, warehouse row) beneath this: the cache only saves recomputin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
+from importlib.metadata import distributions
 from pathlib import Path
 from typing import Any
 
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.states import State
 
-from quantgate.catalog.schema import CalibrationSpec, GgufSource, HubSource, LocalSource, ModelSpec, VariantSpec
-from quantgate.tasks import download, quantize
-from quantgate.tasks.calibration import load_calibration
-from quantgate.tasks.records import ModelArtifact, VariantArtifact
+from quantgate.catalog import schema
+from quantgate.catalog.schema import (
+    CalibrationSpec, GgufSource, HubSource, LocalSource, ModelSpec, SuiteSpec, VariantSpec,
+)
+from quantgate.tasks import calibration, download, quantize
+from quantgate.tasks.calibration import CalibrationError, load_calibration
+from quantgate.tasks.records import CalibrationSamples, ModelArtifact, VariantArtifact
 
 CACHE_DIR = "cache"
+KEY_MEMO = "build-keys"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -76,12 +87,64 @@ def quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec
     return f"quantize-{uid}-{_digest([spec.name, model.uid])[:8]}"
 
 
+def calibration_check_key(calib: CalibrationSpec, model: ModelArtifact, evaluated: calibration.Evaluated) -> str | None:
+    """Cache key of a calibration check, or None (not cached) where the set's documents cannot be read (the check
+    itself says why). It is what the verdict depends on: the set's spec and its documents as read; the tokenizer
+    that makes its samples and decodes them (the checkpoint's content sha); the text it is compared with
+    (`evaluated`, as `calibration.evaluated_documents` reads it: each document's strings); and the code that
+    does it (`environment`)."""
+    try:
+        documents = calibration.calibration_documents(calib)
+    except CalibrationError:
+        return None
+    ident = {
+        "calibration": calib.model_dump(mode="json"),
+        "documents": _digest(documents),
+        "tokenizer": {"model": model.model_id, "sha": model.sha},
+        "evaluated": _digest([[name, [calibration.strings(d) for d in docs]] for name, docs in evaluated]),
+        "environment": environment(),
+    }
+    return f"calibration-{_digest(ident)[:32]}"
+
+
+@functools.cache
+def environment() -> str:
+    """sha256 over the installed packages (names and versions) and quantgate's own code (tasks/ and catalog/):
+    a key derived with libraries and code is made anew when either changes."""
+    packages = sorted({(d.metadata["Name"] or "", d.version) for d in distributions()})
+    digest = hashlib.sha256(json.dumps(packages).encode())
+    for folder in (Path(__file__).parent, Path(schema.__file__).parent):
+        for f in sorted(folder.rglob("*.py")):
+            digest.update(f"{f.relative_to(folder.parent).as_posix()}\0".encode() + f.read_bytes())
+    return digest.hexdigest()
+
+
 def _download_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
     return download_key(parameters["spec"], Path(parameters["cache_dir"]))
 
 
-def _quantize_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
-    return quantize_key(parameters["model"], parameters["spec"], parameters["calib"])
+def remembered_quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec, root: Path) -> str:
+    """quantize_key, kept under `root`/cache/build-keys by what it is computed from: the checkpoint, the variant
+    spec, for a calibrated method the set's spec and documents as read, and `environment`. Computing it builds
+    the recipe with llm-compressor and tokenizes the calibration set (seconds of imports, on a rerun that builds
+    nothing); the same inputs find it here."""
+    ident: dict[str, Any] = {"model": model.uid, "sha": model.sha, "variant": spec.model_dump(mode="json"),
+                             "environment": environment()}
+    if not spec.load_time and spec.needs_calibration:
+        ident["calibration"] = {"spec": calib.model_dump(mode="json"),
+                                "documents": _digest(calibration.calibration_documents(calib))}
+    memo = Path(root) / CACHE_DIR / KEY_MEMO / _digest(ident)[:32]
+    try:
+        if (key := memo.read_text()).startswith("quantize-"):
+            return key
+    except OSError:
+        pass
+    key = quantize_key(model, spec, calib)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=memo.parent, prefix=".", delete=False) as f:
+        f.write(key)
+    os.replace(f.name, memo)  # whole or not at all, whichever build of the work dir writes it
+    return key
 
 
 def _options(root: Path, key_fn: Callable[[Any, dict[str, Any]], str | None]) -> dict[str, Any]:
@@ -112,12 +175,26 @@ def download_cached(spec: ModelSpec, root: Path) -> ModelArtifact:
     return model
 
 
+def check_calibration_cached(calib: CalibrationSpec, model: ModelArtifact, suite: SuiteSpec,
+                             root: Path) -> CalibrationSamples:
+    """check_calibration_task with its pass cached under `root`/cache: a rerun with the same inputs (see
+    `calibration_check_key`) is a cache hit and checks nothing again; an overlapping set raises CalibrationError
+    (one line) on every run."""
+    evaluated = calibration.evaluated_documents(suite)  # read once: for the key, and for the check on a miss
+    key = calibration_check_key(calib, model, evaluated)
+    task = calibration.check_calibration_task.with_options(**_options(root, lambda context, parameters: key))
+    samples, _ = _run(task, (calib, model.path, suite, evaluated), lambda _: True, [f"model:{model.model_id}"],
+                      f"check calibration {model.model_id}")
+    return samples
+
+
 def build_cached(
     model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec, root: Path,
     existing: Callable[[str], dict | None] | None = None,
 ) -> VariantArtifact:
     """build_variant_task with its result cached under `root`/cache; a cache hit is a reuse."""
-    task = quantize.build_variant_task.with_options(**_options(root, _quantize_key_fn))
+    task = quantize.build_variant_task.with_options(
+        **_options(root, lambda context, parameters: remembered_quantize_key(model, spec, calib, root)))
 
     def trusted(v: VariantArtifact) -> bool:
         return v.ok and v.path is not None and (Path(v.path) / quantize.MARKER).is_file()

@@ -31,6 +31,8 @@ from quantgate.tasks.records import CalibrationSamples, LocalTaskConfig
 log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
+# What a set is checked against: (name, documents) for the KL text and each evaluated task.
+Evaluated = list[tuple[str, list[dict[str, Any]]]]
 
 # Overlap is found on word 13-grams, the unit of GPT-3's contamination study (Brown et al. 2020, app. C): a
 # copied question or passage shares many, while the phrases that recur in unrelated text ("which of the
@@ -191,26 +193,17 @@ def _turns(question: str, answer: str) -> Messages:
 # --- overlap with what is evaluated ----------------------------------------------------------------------
 
 
-def check_calibration(calib: CalibrationSpec, tokenizer_dir: str | Path, suite: SuiteSpec) -> CalibrationSamples:
+def check_calibration(calib: CalibrationSpec, tokenizer_dir: str | Path, suite: SuiteSpec,
+                      evaluated: Evaluated | None = None) -> CalibrationSamples:
     """The calibration samples, after checking that they share no text with any item the suite evaluates (each
     local task's evaluated documents within its limit, and its few-shot pool when it asks for few-shot) nor with
-    the suite's KL text. Raises CalibrationError naming the set, the task and an example item."""
+    the suite's KL text. Raises CalibrationError naming the set, the task and an example item.
+
+    `evaluated`: `evaluated_documents(suite)`, where the caller has read them already (its cache key has)."""
     samples = load_calibration(calib, tokenizer_dir)
     index = _EvaluatedText()
-    kl_text = suite.kl_text or default_kl_text()
-    try:
-        paragraphs = re.split(r"\n\s*\n", Path(kl_text).read_text(encoding="utf-8"))
-        index.add("the KL text", [{"text": p} for p in paragraphs if p.strip()])
-    except OSError as e:
-        raise CalibrationError(f"KL text {kl_text}: cannot read ({e.strerror or e})") from None
-    from quantgate.tasks.evaluators.lm_eval import local_task_configs
-
-    configs = local_task_configs(suite)
-    if unchecked := [t.name for t in suite.tasks if t.name not in configs]:
-        log.warning("calibration overlap not checked against %s: not local tasks", unchecked)
-    for t in suite.tasks:
-        for leaf in configs.get(t.name, []):
-            index.add(leaf.name, _evaluated_docs(leaf, t, suite))
+    for name, docs in evaluated if evaluated is not None else evaluated_documents(suite):
+        index.add(name, docs)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -220,6 +213,44 @@ def check_calibration(calib: CalibrationSpec, tokenizer_dir: str | Path, suite: 
         raise CalibrationError(f"calibration set {samples.label} overlaps {task_name} item {item} ({share:.0%} of its"
                                f" text, e.g. \"{words}\"); calibrate on text the suite does not evaluate")
     return samples
+
+
+def evaluated_documents(suite: SuiteSpec) -> Evaluated:
+    """What check_calibration compares a calibration set with: (name, documents) for the suite's KL text (one
+    document a paragraph) and for each leaf of its local tasks (the documents it evaluates)."""
+    kl_text = suite.kl_text or default_kl_text()
+    try:
+        paragraphs = re.split(r"\n\s*\n", Path(kl_text).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CalibrationError(f"KL text {kl_text}: cannot read ({e.strerror or e})") from None
+    evaluated: Evaluated = [("the KL text", [{"text": p} for p in paragraphs if p.strip()])]
+    from quantgate.tasks.evaluators.lm_eval import local_task_configs
+
+    configs = local_task_configs(suite)
+    if unchecked := [t.name for t in suite.tasks if t.name not in configs]:
+        log.warning("calibration overlap not checked against %s: not local tasks", unchecked)
+    for t in suite.tasks:
+        for leaf in configs.get(t.name, []):
+            evaluated.append((leaf.name, _evaluated_docs(leaf, t, suite)))
+    return evaluated
+
+
+def calibration_documents(calib: CalibrationSpec) -> list[str] | list[Messages]:
+    """A set's documents as read (text paragraphs, conversations), before they are shuffled, rendered and
+    tokenized: with the tokenizer and the set's spec, what its samples are made of."""
+    match calib:
+        case TextCalibration():
+            return _paragraphs(calib)
+        case ChatCalibration():
+            return _chat_file(calib)
+        case EvalHoldoutCalibration():
+            return _holdout(calib.items)
+    raise CalibrationError(f"unknown calibration kind {calib.kind!r}")
+
+
+def strings(doc: Any) -> list[str]:
+    """The text of a document as the check reads it: its string values, nested ones included, in order."""
+    return list(_strings(doc))
 
 
 def _evaluated_docs(leaf: LocalTaskConfig, task_spec: LocalTask, suite: SuiteSpec) -> list[dict[str, Any]]:
