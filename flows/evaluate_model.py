@@ -249,27 +249,30 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
 
     # The base first: on a CPU (one job at a time) a base whose outputs are not finite stops the run before any
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
-    with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
-        def ready(v: VariantArtifact) -> None:
-            """A checkpoint is there: it claims its speed key, and warms the vLLM starts it will measure, each a
-            job of its own."""
-            if plan.claim(v) and warm and (warms := _warm_ups_to_make(run, v, plan, remeasure)):
-                compile_stage = _CompileStage(run, v, len(warms))
-                for w in warms:
-                    pool.submit(compile_stage.warm, w, root)
+    # Compile warm-ups take a pool of their own, a few at a time: on reference2 eight of them among the shared jobs
+    # took the CPU that evaluations need and stretched the critical path (AWQ's evaluation: 98 s -> 265 s).
+    with launch.jobs(WARMUPS_AT_ONCE if warm else 1) as warming:
+        with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
+            def ready(v: VariantArtifact) -> None:
+                """A checkpoint is there: it claims its speed key, and warms the vLLM starts it will measure."""
+                if plan.claim(v) and warm and (warms := _warm_ups_to_make(run, v, plan, remeasure)):
+                    compile_stage = _CompileStage(run, v, len(warms))
+                    for w in warms:
+                        warming.submit(compile_stage.warm, w, root)
 
-        base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
-        if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
-            base_quality.result()
-        builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name],
-                              cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup, ready)
-                  for name in spec.variants]
-        ready(base)  # after the builds, which start first: the slowest build is the run's critical path
-        base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
-        built = [future.result() for future in builds]
-    variants_ok = [v for v, usable in built if usable]
+            base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
+            if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
+                base_quality.result()
+            builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name],
+                                  cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup, ready)
+                      for name in spec.variants]
+            ready(base)  # after the builds, which start first: the slowest build is the run's critical path
+            base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
+            built = [future.result() for future in builds]
+        variants_ok = [v for v, usable in built if usable]
 
-    _kl(run, base, variants_ok, suite, setup)
+        _kl(run, base, variants_ok, suite, setup)
+    # The warm-ups are done here: nothing else holds the GPU while it is measured.
 
     checkpoints = [base, *variants_ok]
     _benchmark(run, checkpoints, plan, spec, cat, root, gpu_deployment, engines, remeasure, lanes)
@@ -398,6 +401,11 @@ def _warm_ups_to_make(run: _Run, v: VariantArtifact, plan: SpeedPlan, remeasure:
     if not remeasure and run.read(lambda con: store.speed_source(con, plan.key(v))) is not None:
         return []
     return plan.warm_ups(v)
+
+
+# Compile warm-ups at a time, each at a lower CPU priority (tasks/speed/warmup.py): they use what the builds and
+# evaluations leave.
+WARMUPS_AT_ONCE = 2
 
 
 class _CompileStage:

@@ -24,8 +24,6 @@ export QUANTGATE_WHEELHOUSE="${QUANTGATE_WHEELHOUSE:-/root/qg-wheelhouse}"
 WH="$RESULTS/reference.duckdb"
 QG=(python3 -m quantgate.flows.cli)
 MODEL="${QG_MODEL:-qwen2.5-coder-1.5b-instruct}"
-# Unmeasured jobs sharing the GPU while builds run: evaluations and compile warm-ups of a 1.5B model take ~10 GB each.
-export QUANTGATE_SHARED_JOBS_PER_GPU="${QUANTGATE_SHARED_JOBS_PER_GPU:-6}"
 {
     echo "== $(date -u +%FT%TZ) quantgate pull $MODEL"
     pull_started=$(date +%s.%N)

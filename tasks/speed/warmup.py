@@ -11,6 +11,7 @@ measured here: a warm-up that fails costs the measured start its cache, nothing 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ WARMUP_KV_CACHE_BYTES = 2 * 2**30
 # the rest of the GPU meanwhile.
 WARMUP_GPU_MEMORY_UTILIZATION = 0.1
 WARMUP_TIMEOUT_S = 900.0
+WARMUP_NICENESS = 10
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,10 @@ def warm_ups(model_path: str, engine: str, scenarios: Sequence[tuple[str, Scenar
 
 
 def warm_up(model_path: str, warm: WarmUp, log_dir: Path) -> str | None:
-    """Start and stop one engine as `warm` says; None when it started, else the one-line reason it did not."""
+    """Start and stop one engine as `warm` says; None when it started, else the one-line reason it did not. Run
+    in a process of its own: it lowers that process's CPU priority (and so its engine's and compile workers'),
+    as the builds and evaluations beside it are what the run waits for."""
+    os.nice(WARMUP_NICENESS)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"warmup-{warm.kind}-{_slug(warm.label)}.log"
     try:
