@@ -38,7 +38,7 @@ from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
-from quantgate.tasks.speed.warmup import WARMUP_TIMEOUT_S, WarmUp, warm_up
+from quantgate.tasks.speed.warmup import WARMUP_TIMEOUT_S, WarmUp, warm_up_aside
 from quantgate.warehouse import store
 
 
@@ -423,7 +423,7 @@ class _CompileStage:
     def warm(self, w: WarmUp, root: Path) -> None:
         log_dir = root / dispatch.SERVING_LOGS / self.v.name / "warm-ups"
         try:
-            why = launch.on_gpus(None, WARMUP_TIMEOUT_S, warm_up, self.v.path or "", w, log_dir)
+            why = launch.on_gpus(None, WARMUP_TIMEOUT_S, warm_up_aside, self.v.path or "", w, log_dir)
         except launch.LaunchError as e:
             why = str(e)
         if why is not None:

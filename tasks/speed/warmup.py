@@ -75,10 +75,7 @@ def warm_ups(model_path: str, engine: str, scenarios: Sequence[tuple[str, Scenar
 
 
 def warm_up(model_path: str, warm: WarmUp, log_dir: Path) -> str | None:
-    """Start and stop one engine as `warm` says; None when it started, else the one-line reason it did not. Run
-    in a process of its own: it lowers that process's CPU priority (and so its engine's and compile workers'),
-    as the builds and evaluations beside it are what the run waits for."""
-    os.nice(WARMUP_NICENESS)
+    """Start and stop one engine as `warm` says; None when it started, else the one-line reason it did not."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"warmup-{warm.kind}-{_slug(warm.label)}.log"
     try:
@@ -102,6 +99,13 @@ def warm_up(model_path: str, warm: WarmUp, log_dir: Path) -> str | None:
             return None
     except (ServingError, OSError) as e:
         return one_line(e)
+
+
+def warm_up_aside(model_path: str, warm: WarmUp, log_dir: Path) -> str | None:
+    """warm_up at a lower CPU priority, in a process of its own (launch.on_gpus): its engine and compile workers
+    inherit it, so the builds and evaluations beside it, which the run waits for, get the CPU first."""
+    os.nice(WARMUP_NICENESS)
+    return warm_up(model_path, warm, log_dir)
 
 
 def _warm(opts: EngineOptions) -> EngineOptions:
