@@ -239,7 +239,8 @@ def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(
     after = tables(path)
     assert after["runs"] == [r + ("None",) for r in before["runs"]]  # resume_key: NULL
     assert after["variants"] == [r + ("False",) for r in before["variants"]]  # skipped (0007): false
-    assert after["run_variants"] == [r + ("None", "None") for r in before["run_variants"]]  # speed key, source (0009)
+    # speed key and source run (0009), source checkpoint (0011)
+    assert after["run_variants"] == [r + ("None", "None", "None") for r in before["run_variants"]]
     kept = lambda t: {k: v for k, v in t.items()  # noqa: E731
                       if k not in ("runs", "variants", "run_variants", "schema_migrations")}
     assert checksums({k: v for k, v in kept(after).items() if k in before}) == checksums(kept(before))
