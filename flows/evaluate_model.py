@@ -249,8 +249,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
 
     # The base first: on a CPU (one job at a time) a base whose outputs are not finite stops the run before any
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
-    # Compile warm-ups take a pool of their own, a few at a time: on reference2 eight of them among the shared jobs
-    # took the CPU that evaluations need and stretched the critical path (AWQ's evaluation: 98 s -> 265 s).
+    # Compile warm-ups take a pool of their own, a few at a time, and those not begun when the unmeasured work ends
+    # are dropped: in the shared slots, eight ran two minutes past the evaluations, and the benchmarks waited.
     with launch.jobs(WARMUPS_AT_ONCE if warm else 1) as warming:
         with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
             def ready(v: VariantArtifact) -> None:
@@ -258,7 +258,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
                 if plan.claim(v) and warm and (warms := _warm_ups_to_make(run, v, plan, remeasure)):
                     compile_stage = _CompileStage(run, v, len(warms))
                     for w in warms:
-                        warming.submit(compile_stage.warm, w, root)
+                        future = warming.submit(compile_stage.warm, w, root)
+                        future.add_done_callback(lambda f, w=w: f.cancelled() and compile_stage.dropped(w))
 
             base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
             if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
@@ -270,6 +271,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
             base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
             built = [future.result() for future in builds]
         variants_ok = [v for v, usable in built if usable]
+        warming.drop_queued()  # a warm-up begun now would keep the benchmarks waiting longer than it saves them
 
         _kl(run, base, variants_ok, suite, setup)
     # The warm-ups are done here: nothing else holds the GPU while it is measured.
@@ -410,12 +412,13 @@ WARMUPS_AT_ONCE = 2
 
 class _CompileStage:
     """A checkpoint's compile warm-ups, each run as a job of its own beside the unmeasured work (in a process of
-    its own, so that an interrupt reaches it); the last to end writes the stage row with their engine starts."""
+    its own, so that an interrupt reaches it); the last to end, or to be dropped unbegun, writes the stage row
+    with the engine starts made."""
 
     def __init__(self, run: _Run, v: VariantArtifact, count: int) -> None:
         self.run, self.v, self.left = run, v, count
-        self.done: list[str] = []
-        self.problems: list[str] = []
+        self.started_ones: list[str] = []
+        self.notes: list[str] = []
         self.started = store.now()
         self.lock = threading.Lock()
         run.enter("compile", v.name)
@@ -429,16 +432,23 @@ class _CompileStage:
         if why is not None:
             get_run_logger().warning("%s: compile warm-up of %s failed; its measured start compiles instead (%s)",
                                      self.v.name, w.label, why)
+        self._ended(w.label, f"failed {w.label}: {why}" if why is not None else None, started=True)
+
+    def dropped(self, w: WarmUp) -> None:
+        self._ended(w.label, f"not begun before the benchmarks: {w.label}", started=False)
+
+    def _ended(self, label: str, note: str | None, started: bool) -> None:
         with self.lock:
-            self.done.append(w.label)
-            if why is not None:
-                self.problems.append(f"{w.label}: {why}")
+            if started:
+                self.started_ones.append(label)
+            if note:
+                self.notes.append(note)
             self.left -= 1
             if self.left:
                 return
-        detail = f"{len(self.done)} warm-up(s): {', '.join(self.done)}"
-        with self.run.stage("compile", self.v.uid, detail + "".join(f"; failed {p}" for p in self.problems),
-                            self.started, engine_starts=len(self.done)):
+        detail = f"{len(self.started_ones)} warm-up(s): {', '.join(self.started_ones)}"
+        with self.run.stage("compile", self.v.uid, detail + "".join(f"; {n}" for n in self.notes), self.started,
+                            engine_starts=len(self.started_ones)):
             pass
 
 

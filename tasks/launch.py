@@ -128,6 +128,12 @@ class Jobs:
     def __init__(self, slots: int) -> None:
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="quantgate-job") if slots > 1 else None
 
+    def drop_queued(self) -> None:
+        """Jobs not begun are cancelled (their futures say so, and their done callbacks run); running ones go on.
+        Nothing can be submitted afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
     def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
         if self._pool is not None:
             return submit(self._pool, fn, *args)
