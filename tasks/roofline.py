@@ -7,10 +7,10 @@ them and is left out. The embedding table is not streamed: a lookup reads one ro
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 from quantgate.tasks.dummy_weights import layout
+from quantgate.tasks.speed.checkpoint import safetensors_headers
 
 Tensors = dict[str, tuple[tuple[int, ...], int]]  # name -> (shape, bytes)
 
@@ -23,18 +23,9 @@ def checkpoint_tensors(model_path: str | Path) -> Tensors:
     """Name -> (shape, bytes) of every tensor in the folder's safetensors files, read from their headers;
     for a folder without weight files (a dummy-weight checkpoint), the layout its config implies."""
     folder = Path(model_path)
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        out: Tensors = {}
-        for file in files:
-            with file.open("rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            for name, info in header.items():
-                if name != "__metadata__":
-                    start, end = info["data_offsets"]
-                    out[name] = (tuple(info["shape"]), end - start)
-        return out
+    if headers := safetensors_headers(folder):
+        return {name: (tuple(info["shape"]), info["data_offsets"][1] - info["data_offsets"][0])
+                for name, info in headers.items()}
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:

@@ -24,6 +24,17 @@ def text_config(model_path: str | Path) -> dict[str, Any] | None:
     return None if config is None else config.get("text_config", config)
 
 
+def safetensors_headers(model_path: str | Path) -> dict[str, dict[str, Any]]:
+    """Name -> header entry (dtype, shape, data_offsets) of every tensor in the folder's safetensors files, read
+    from their headers alone; empty for a folder without weight files."""
+    out: dict[str, dict[str, Any]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            out.update((name, info) for name, info in json.loads(f.read(size)).items() if name != "__metadata__")
+    return out
+
+
 def has_weight_only_int_layers(model_path: str | Path) -> bool | None:
     """Whether the checkpoint has weight-only integer layers (W4A16, W8A16: GPTQ, AWQ, compressed-tensors
     WNA16), the only layers vLLM runs on a mixed-precision kernel; None when its config.json cannot be read."""
@@ -37,7 +48,6 @@ def has_weight_only_int_layers(model_path: str | Path) -> bool | None:
         return any((g.get("weights") or {}).get("type") == "int" and not g.get("input_activations")
                    for g in (quant.get("config_groups") or {}).values())
     return False
-
 
 
 # Fields of a compressed-tensors quantization config that say how a build was calibrated, not what the engine
@@ -58,8 +68,8 @@ def speed_format(model_path: str | Path) -> str | None:
     shape stand for trained ones). None when the folder has no safetensors to read (a load-time variant, a
     dummy checkpoint): such a checkpoint is its own format."""
     folder = Path(model_path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    tensors = safetensors_headers(folder)
+    if not tensors:
         return None
     digest = hashlib.sha256()
     for name in _DESCRIPTION_FILES:
@@ -73,13 +83,8 @@ def speed_format(model_path: str | Path) -> str | None:
         if name == "config.json":
             content = _engine_config(content)
         digest.update(f"{name}\0{json.dumps(content, sort_keys=True)}\n".encode())
-    for file in files:
-        with file.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for tensor, info in sorted(header.items()):
-            if tensor != "__metadata__":
-                digest.update(f"{tensor}\0{info['dtype']}\0{info['shape']}\n".encode())
+    for tensor, info in sorted(tensors.items()):
+        digest.update(f"{tensor}\0{info['dtype']}\0{info['shape']}\n".encode())
     return digest.hexdigest()[:16]
 
 
