@@ -50,6 +50,13 @@ def moot_point(point: dict[str, Any], scenario: ScenarioSpec, defaults: SpeedRes
     return room
 
 
+def point_applies(point: dict[str, Any], weight_only: bool | None) -> bool:
+    """Whether a sweep point can change anything on a checkpoint whose weight-only integer layers are
+    `weight_only` (tasks/speed/checkpoint.has_weight_only_int_layers; None: unknown): a forced kernel on one
+    without mixed-precision layers would be the defaults served again, one more vLLM start."""
+    return not ("kernel" in point and weight_only is False)
+
+
 def sweep_row_name(scenario_name: str, point: dict[str, Any]) -> str:
     return f"{scenario_name}@{sweep_label(point)}"
 
@@ -76,10 +83,8 @@ def serve_sweep(
     serve = serve or serve_scenario
     points = scenario.sweep.points()
     plain = scenario.model_copy(update={"sweep": None})
-    # A forced kernel changes nothing on a checkpoint without mixed-precision layers: it would be the
-    # defaults served again, one more vLLM start.
-    no_kernels = has_weight_only_int_layers(model_path) is False
-    runs = [not ("kernel" in point and no_kernels) for point in points]
+    weight_only = has_weight_only_int_layers(model_path)
+    runs = [point_applies(point, weight_only) for point in points]
     deadline = clock() + timeout_s
     out: list[tuple[SpeedResult, list[ServingLoad]]] = []
     for i, point in enumerate(points):

@@ -24,6 +24,7 @@ from quantgate.tasks.errors import one_line
 from quantgate.tasks.speed.checkpoint import has_weight_only_int_layers
 from quantgate.tasks.speed.errors import ServingError
 from quantgate.tasks.speed.options import engine_options, resolve_device, wants_random_weights
+from quantgate.tasks.speed.sweep import point_applies, sweep_row_name
 from quantgate.tasks.speed.vllm_cli import sweep_settings
 
 # Room for a few full-length sequences: a warm-up runs no load, and shares the GPU with builds and evaluations.
@@ -63,14 +64,14 @@ def warm_ups(model_path: str, engine: str, scenarios: Sequence[tuple[str, Scenar
     if first.kind != "serving":
         return [WarmUp("offline", opts, label=f"vllm {'+'.join(n for n, _ in scenarios)}")]
     points = first.sweep.points() if first.sweep else [{}]
-    mixed = has_weight_only_int_layers(model_path)
+    weight_only = has_weight_only_int_layers(model_path)
     out = []
     for i, point in enumerate(points):
-        if i and not ("kernel" in point and mixed):
+        if i and not ("kernel" in point and point_applies(point, weight_only)):
             continue
         overrides, args, env = sweep_settings(point)
         out.append(WarmUp("serve", dataclasses.replace(opts, **overrides), tuple(args), tuple(sorted(env.items())),
-                          label=f"vllm serve {name}" + (f"@{next(iter(point.values()))}" if point else "")))
+                          label=f"vllm serve {sweep_row_name(name, point)}"))
     return out
 
 
