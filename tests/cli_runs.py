@@ -56,3 +56,36 @@ def run_log(result: subprocess.CompletedProcess) -> str:
     """The log file of a `quantgate run` (its path is the first line on stderr), empty if it printed none."""
     path = next((line.removeprefix("log: ") for line in result.stderr.splitlines() if line.startswith("log: ")), None)
     return Path(path).read_text(errors="replace") if path and Path(path).exists() else ""
+
+
+def tiny_catalog(tmp: Path, model: Path, variants: dict[str, str], *, limit: int = 3, min_recovery: float = 0.95,
+                 calibration: str | None = None) -> Path:
+    """A catalog of one model (`tiny`, the folder `model`) with `variants` (name -> inline spec), a perplexity suite
+    of `limit` documents, one micro Transformers scenario on the CPU and a policy on bits per byte: each run of
+    it takes seconds. `calibration` is the model's inline calibration block, if any."""
+    path = tmp / "catalog.yaml"
+    specs = "\n".join(f"  {name}: {spec}" for name, spec in variants.items())
+    calib = f"\n    calibration: {calibration}" if calibration else ""
+    path.write_text(f"""version: 1
+variants:
+{specs}
+suites:
+  stories:
+    tasks: [{{name: qg_simple_stories, limit: {limit}}}]
+    batch_size: 8
+scenarios:
+  micro: {{kind: offline, engines: [transformers], device: cpu, num_prompts: 2, input_len: 8, output_len: 4,
+          batch_size: 2, repetitions: 1, warmup: 0}}
+models:
+  - id: tiny
+    source: {{kind: local, path: {model}}}
+    variants: [{", ".join(variants)}]
+    suite: stories
+    scenarios: [micro]{calib}
+policy:
+  version: 1
+  quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: {min_recovery}, higher_is_better: false}}]
+  speed: {{engine: transformers, scenario: micro, min_speedup: 0.01}}
+  max_size_ratio: 1.0
+""")
+    return path

@@ -10,13 +10,12 @@ benchmark scenario. The kills are chained: each rerun resumes the previous crash
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from quantgate.warehouse import store
-from tests.cli_runs import run_cli, run_log, tables
+from tests.cli_runs import run_cli, run_log, tables, tiny_catalog
 from tests.shared_data import TINY_MODEL
 
 pytestmark = pytest.mark.slow
@@ -27,32 +26,9 @@ RESULTS = ("models", "variants", "run_variants", "quality_evals", "quality_resul
 
 
 def catalog(tmp: Path, model: Path) -> Path:
-    path = tmp / "catalog.yaml"
-    path.write_text(textwrap.dedent(f"""
-        version: 1
-        variants:
-          rtn-w8a16: {{method: rtn, scheme: W8A16, group_size: null}}
-          rtn-w4a16-g128: {{method: rtn, scheme: W4A16, group_size: 128}}   # stories260k's layers are 64 wide
-        suites:
-          stories:
-            tasks: [{{name: qg_simple_stories, limit: 3}}]
-            batch_size: 8
-        scenarios:
-          micro: {{kind: offline, engines: [transformers], device: cpu, num_prompts: 2, input_len: 8, output_len: 4,
-                  batch_size: 2, repetitions: 1, warmup: 0}}
-        models:
-          - id: tiny
-            source: {{kind: local, path: {model}}}
-            variants: [rtn-w8a16, rtn-w4a16-g128]
-            suite: stories
-            scenarios: [micro]
-        policy:
-          version: 1
-          quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.95, higher_is_better: false}}]
-          speed: {{engine: transformers, scenario: micro, min_speedup: 0.01}}
-          max_size_ratio: 1.0
-    """))
-    return path
+    return tiny_catalog(tmp, model, {"rtn-w8a16": "{method: rtn, scheme: W8A16, group_size: null}",
+                                     # stories260k's layers are 64 wide: this build fails, by design
+                                     "rtn-w4a16-g128": "{method: rtn, scheme: W4A16, group_size: 128}"})
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import struct
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from quantgate.tasks.speed.checkpoint import speed_format
 from quantgate.warehouse import store
-from tests.cli_runs import run_cli
+from tests.cli_runs import run_cli, tiny_catalog
 from tests.shared_data import TINY_MODEL
 
 
@@ -58,33 +57,10 @@ def test_the_format_is_the_layout_not_the_values_nor_how_the_build_was_calibrate
 def test_checkpoints_of_one_format_are_measured_once(tmp_path, prefect_api):
     if not TINY_MODEL.exists():
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
-    cat = tmp_path / "catalog.yaml"
-    cat.write_text(textwrap.dedent(f"""
-        version: 1
-        variants:
-          rtn-w4a16-g32: {{method: rtn, scheme: W4A16, group_size: 32}}
-          gptq-w4a16-g32: {{method: gptq, scheme: W4A16, group_size: 32}}
-          rtn-w8a16: {{method: rtn, scheme: W8A16, group_size: null}}
-        suites:
-          stories:
-            tasks: [{{name: qg_simple_stories, limit: 2}}]
-            batch_size: 8
-        scenarios:
-          micro: {{kind: offline, engines: [transformers], device: cpu, num_prompts: 2, input_len: 8, output_len: 4,
-                  batch_size: 2, repetitions: 1, warmup: 0}}
-        models:
-          - id: tiny
-            source: {{kind: local, path: {TINY_MODEL}}}
-            variants: [rtn-w4a16-g32, gptq-w4a16-g32, rtn-w8a16]
-            suite: stories
-            scenarios: [micro]
-            calibration: {{kind: text, samples: 4, seq_len: 32}}
-        policy:
-          version: 1
-          quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.5, higher_is_better: false}}]
-          speed: {{engine: transformers, scenario: micro, min_speedup: 0.01}}
-          max_size_ratio: 1.0
-    """))
+    cat = tiny_catalog(tmp_path, TINY_MODEL, {"rtn-w4a16-g32": "{method: rtn, scheme: W4A16, group_size: 32}",
+                                              "gptq-w4a16-g32": "{method: gptq, scheme: W4A16, group_size: 32}",
+                                              "rtn-w8a16": "{method: rtn, scheme: W8A16, group_size: null}"},
+                       limit=2, min_recovery=0.5, calibration="{kind: text, samples: 4, seq_len: 32}")
     wh = tmp_path / "w.duckdb"
     result = run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(tmp_path / "work")], prefect_api)
     assert result.returncode == 0, result.stderr[-3000:]
