@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from prefect.runtime import flow_run
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.flows.dispatch import SERVING_LOGS, measure
 from quantgate.tasks.speed.serving import measured_to_dict
+from quantgate.tasks.files import write_atomic
 
 SLOT_ENV = "QUANTGATE_GPU_SLOT"
 
@@ -68,11 +68,7 @@ def gpu_step(model_path: str, engine: str, scenario_name: str, scenario: dict[st
         measured = measure(model_path, engine, [(scenario_name, spec)], out.parent / SERVING_LOGS / str(flow_run.id),
                            label or Path(model_path).name).measured
     payload = {"runs": [measured_to_dict(result, loads) for result, loads in measured]}
-    out.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gpu-step.", dir=out)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh)
-    os.replace(tmp, out / f"{flow_run.id}.json")
+    write_atomic(out / f"{flow_run.id}.json", json.dumps(payload))
     for result, _ in measured:
         get_run_logger().info("%s %s: %s%s", engine, result.scenario, result.status,
                               f" ({result.reason})" if result.reason else "")

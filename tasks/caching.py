@@ -20,9 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from importlib.metadata import distributions
@@ -38,6 +36,7 @@ from quantgate.catalog.schema import (
 )
 from quantgate.tasks import calibration, download, quantize
 from quantgate.tasks.calibration import CalibrationError, load_calibration
+from quantgate.tasks.files import write_atomic
 from quantgate.tasks.records import CalibrationSamples, ModelArtifact, VariantArtifact
 
 CACHE_DIR = "cache"
@@ -140,10 +139,7 @@ def remembered_quantize_key(model: ModelArtifact, spec: VariantSpec, calib: Cali
     except OSError:
         pass
     key = quantize_key(model, spec, calib)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=memo.parent, prefix=".", delete=False) as f:
-        f.write(key)
-    os.replace(f.name, memo)  # whole or not at all, whichever build of the work dir writes it
+    write_atomic(memo, key)  # whole or not at all, whichever build of the work dir writes it
     return key
 
 

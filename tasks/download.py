@@ -23,6 +23,7 @@ from prefect import task
 
 from quantgate.catalog.schema import GgufParts, GgufSource, HubSource, LocalSource, ModelSpec
 from quantgate.tasks import faults, gguf_parts
+from quantgate.tasks.files import write_atomic
 from quantgate.tasks.records import ModelArtifact
 
 log = logging.getLogger(__name__)
@@ -297,12 +298,8 @@ class _HashCache:
     def save(self) -> None:
         if not self.dirty:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         # Atomic replace: concurrent runs may lose each other's entries (they get re-hashed), never corrupt the file.
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self.entries, fh)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(self.entries))
         self.dirty = False
 
 
