@@ -528,6 +528,13 @@ class ScenarioSpec(Strict):
         loads += [(f"rate={r:g}", None, r, self.num_prompts) for r in self.request_rates]
         return loads
 
+    def most_in_flight(self) -> int:
+        """The most sequences the scenario may have in flight at once: all of an offline pass, one at a time
+        for latency, a serving load's concurrency (a rate: every prompt of it, at worst)."""
+        if self.kind == "serving":
+            return max(n if rate is not None else min(c or n, n) for _, c, rate, n in self.load_sizes())
+        return 1 if self.kind == "latency" else self.num_prompts
+
 
 class ShapeSpec(Strict):
     """A model shape for dummy-weight speed runs: a preset config (tasks/dummy_weights.SHAPES) plus overrides."""

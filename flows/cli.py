@@ -80,10 +80,9 @@ def run(
             stages = store.stage_summary(con, card[0]["run_id"])
             timeline = store.rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [card[0]["run_id"]])
         _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"])
-        warm = sum(s["engine_starts"] or 0 for s in stages if s["stage"] == "compile")
         for t in timeline:
             console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
-                          f"{t['engine_starts']} engine start(s)" + (f", {warm} of them compile warm-ups" if warm else ""))
+                          f"{t['engine_starts']} engine start(s)")
 
 
 @app.command()

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -149,86 +150,118 @@ def _starts(results: Sequence[SpeedResult]) -> int:
     return max((int(r.details.get("engine_starts", 0)) for r in results), default=0)
 
 
+class Measurements:
+    """The speed jobs of a run's checkpoints, every result handed to `on_variant(uid, result)` as soon as all of a
+    checkpoint's jobs are in (nothing is written to the warehouse here).
+
+    `start(v)` runs a checkpoint's jobs now, side by side in `pool` (one GPU: each engine loads beside whatever
+    else shares the GPU and measures once it has it alone, tasks/launch.measuring); `run(variants)` takes the
+    rest, each variant's scenarios as speed jobs (one engine start each: `speed_jobs`) in `lanes` (GPU ids: one
+    job per GPU at a time, in a process that sees only that GPU; None: this process's view), so that two
+    measurements never share a GPU, or, with `gpu_deployment`, as runs of that deployment, and waits for all."""
+
+    def __init__(self, spec: ModelSpec, cat: Catalog, root: Path, engines: Sequence[str] | None = None,
+                 on_variant: Callable[[str, JobResult], None] | None = None, lanes: Sequence[str | None] = (None,),
+                 pool: launch.Jobs | None = None) -> None:
+        self.spec, self.root, self.engines, self.lanes = spec, root, engines, lanes
+        self.scenarios = [(name, cat.scenarios[name]) for name in spec.scenarios]
+        self._on_variant, self._pool = on_variant, pool
+        self._jobs: dict[str, list[SpeedJob]] = {}
+        self._variants: dict[str, VariantArtifact] = {}
+        self._done: dict[SpeedJob, JobResult] = {}
+        self._results: dict[str, JobResult] = {}
+        self._started: list[Future[None]] = []
+        self._finishing = threading.Lock()
+
+    def variant(self, uid: str) -> VariantArtifact:
+        """The checkpoint of uid `uid` among those given."""
+        return self._variants[uid]
+
+    def start(self, v: VariantArtifact) -> None:
+        """`v`'s jobs begin now in the pool."""
+        self._variants[v.uid] = v
+        self._jobs[v.uid] = speed_jobs(v, self.scenarios, self.engines)
+        self._started += [self._pool.submit(self._run_job, job, None) for job in self._jobs[v.uid]]  # type: ignore[union-attr]
+
+    def run(self, variants: Sequence[VariantArtifact], gpu_deployment: str | None = None,
+            timeout_s: float = 6 * 3600) -> dict[str, JobResult]:
+        """The jobs of `variants` (those not started), and every result of the started ones, by variant uid. A GPU
+        run of `gpu_deployment` that fails or does not finish becomes a failed row saying so."""
+        log = get_run_logger()
+        out_dir = self.root / GPU_RESULTS
+        for v in variants:
+            self._variants[v.uid] = v
+            self._jobs[v.uid] = speed_jobs(v, self.scenarios, self.engines)
+        pending: dict[tuple[str, str, str], str] = {}
+        if gpu_deployment:
+            for v in variants:
+                for job in self._jobs[v.uid]:
+                    for name, scenario in job.scenarios:
+                        if is_gpu_work(job.engine, scenario):
+                            params = {"model_path": v.path, "engine": job.engine, "scenario_name": name,
+                                      "scenario": scenario.model_dump(mode="json"), "out_dir": str(out_dir),
+                                      "label": f"{self.spec.id}/{v.name}"}
+                            pending[(v.uid, name, job.engine)] = submit(
+                                gpu_deployment, params, name=f"{job.engine} {name} on {self.spec.id}/{v.name}",
+                                tags=["quantgate", "gpu", f"model:{self.spec.id}", f"variant:{v.name}",
+                                      f"engine:{job.engine}"])
+            if pending:
+                log.info("%d GPU benchmark step(s) submitted to %s", len(pending), gpu_deployment)
+
+        def remote(job: SpeedJob) -> bool:
+            return any((job.variant.uid, name, job.engine) in pending for name, _ in job.scenarios)
+
+        launch.in_lanes([job for v in variants for job in self._jobs[v.uid] if not remote(job)], self.lanes,
+                        self._run_job)
+        for future in self._started:
+            future.result()
+        runs = wait(list(pending.values()), timeout_s) if pending else {}
+        for v in variants:
+            for job in self._jobs[v.uid]:
+                if job not in self._done:
+                    measured = [m for name, scenario in job.scenarios
+                                for m in _gpu_result(runs[pending[(v.uid, name, job.engine)]], out_dir, job.engine,
+                                                     name, scenario)]
+                    self._done[job] = JobResult(measured, sum(_starts([r]) for r, _ in measured), store.now())
+            self._finish_if_complete(v)
+        return self._results
+
+    def _run_job(self, job: SpeedJob, lane: str | None) -> None:
+        v = job.variant
+        log_dir = self.root / SERVING_LOGS / v.name / "+".join(name for name, _ in job.scenarios)
+        label = f"{self.spec.id}/{v.name}"
+        started = store.now()
+        with tags(f"model:{self.spec.id}", f"variant:{v.name}"):
+            if lane is None:
+                result = measure(v.path or "", job.engine, job.scenarios, log_dir, label)
+            else:
+                get_run_logger().info("GPU %s: %s", lane, job.label)
+                result = launch.on_gpus(lane, None, measure, v.path or "", job.engine, job.scenarios, log_dir,
+                                        label, False)
+        self._done[job] = dataclasses.replace(result, started_at=started)
+        self._finish_if_complete(v)
+
+    def _finish_if_complete(self, v: VariantArtifact) -> None:
+        jobs = self._jobs[v.uid]
+        with self._finishing:
+            if v.uid in self._results or not all(job in self._done for job in jobs):
+                return
+            starts = [self._done[job].started_at for job in jobs if self._done[job].started_at is not None]
+            self._results[v.uid] = JobResult([m for job in jobs for m in self._done[job].measured],
+                                             sum(self._done[job].engine_starts for job in jobs),
+                                             min(starts, default=None))
+        if self._on_variant:
+            self._on_variant(v.uid, self._results[v.uid])
+
+
 def benchmark_all(
     variants: Sequence[VariantArtifact], spec: ModelSpec, cat: Catalog, root: Path,
     gpu_deployment: str | None = None, timeout_s: float = 6 * 3600, engines: Sequence[str] | None = None,
     on_variant: Callable[[str, JobResult], None] | None = None, lanes: Sequence[str | None] = (None,),
 ) -> dict[str, JobResult]:
-    """Every (scenario, engine) of `spec` on every variant, by variant uid, in catalog order (only the
-    engines named in `engines`, when given); serving scenarios (vLLM only) bring their loads along.
-
-    Locally, each variant's scenarios run as speed jobs (one engine start each: `speed_jobs`), taken by
-    `lanes` (GPU ids: one job per GPU at a time, in a process that sees only that GPU; None: this process's
-    view), so that two measurements never share a GPU. With `gpu_deployment`, GPU work is submitted first
-    as runs of that deployment (one per variant, engine and scenario; the GPU pool's workers take one GPU
-    each), CPU work runs here meanwhile, and the GPU runs' results are read from the files they leave under
-    `root`/gpu-results. A GPU run that fails or does not finish becomes a failed row saying so; nothing is
-    written to the warehouse here: `on_variant(uid, result)` gets each variant's results as soon as all of
-    them are in, so the caller can store them as they come.
-    """
-    log = get_run_logger()
-    out_dir = root / GPU_RESULTS
-    scenarios = [(name, cat.scenarios[name]) for name in spec.scenarios]
-    jobs = {v.uid: speed_jobs(v, scenarios, engines) for v in variants}
-    pending: dict[tuple[str, str, str], str] = {}
-    if gpu_deployment:
-        for v in variants:
-            for job in jobs[v.uid]:
-                for name, scenario in job.scenarios:
-                    if is_gpu_work(job.engine, scenario):
-                        params = {"model_path": v.path, "engine": job.engine, "scenario_name": name,
-                                  "scenario": scenario.model_dump(mode="json"), "out_dir": str(out_dir),
-                                  "label": f"{spec.id}/{v.name}"}
-                        pending[(v.uid, name, job.engine)] = submit(
-                            gpu_deployment, params, name=f"{job.engine} {name} on {spec.id}/{v.name}",
-                            tags=["quantgate", "gpu", f"model:{spec.id}", f"variant:{v.name}",
-                                  f"engine:{job.engine}"])
-        if pending:
-            log.info("%d GPU benchmark step(s) submitted to %s", len(pending), gpu_deployment)
-
-    def remote(job: SpeedJob) -> bool:
-        return any((job.variant.uid, name, job.engine) in pending for name, _ in job.scenarios)
-
-    done: dict[SpeedJob, JobResult] = {}
-    results: dict[str, JobResult] = {}
-    finishing = threading.Lock()
-
-    def finish_if_complete(v: VariantArtifact) -> None:
-        with finishing:
-            if v.uid in results or not all(job in done for job in jobs[v.uid]):
-                return
-            starts = [done[job].started_at for job in jobs[v.uid] if done[job].started_at is not None]
-            results[v.uid] = JobResult([m for job in jobs[v.uid] for m in done[job].measured],
-                                       sum(done[job].engine_starts for job in jobs[v.uid]), min(starts, default=None))
-        if on_variant:
-            on_variant(v.uid, results[v.uid])
-
-    def run_job(job: SpeedJob, lane: str | None) -> None:
-        v = job.variant
-        log_dir = root / SERVING_LOGS / v.name / "+".join(name for name, _ in job.scenarios)
-        label = f"{spec.id}/{v.name}"
-        started = store.now()
-        with tags(f"model:{spec.id}", f"variant:{v.name}"):
-            if lane is None:
-                result = measure(v.path or "", job.engine, job.scenarios, log_dir, label)
-            else:
-                log.info("GPU %s: %s", lane, job.label)
-                result = launch.on_gpus(lane, None, measure, v.path or "", job.engine, job.scenarios, log_dir,
-                                        label, False)
-        done[job] = dataclasses.replace(result, started_at=started)
-        finish_if_complete(v)
-
-    launch.in_lanes([job for v in variants for job in jobs[v.uid] if not remote(job)], lanes, run_job)
-    runs = wait(list(pending.values()), timeout_s) if pending else {}
-    for v in variants:
-        for job in jobs[v.uid]:
-            if job not in done:
-                measured = [m for name, scenario in job.scenarios
-                            for m in _gpu_result(runs[pending[(v.uid, name, job.engine)]], out_dir, job.engine,
-                                                 name, scenario)]
-                done[job] = JobResult(measured, sum(_starts([r]) for r, _ in measured), store.now())
-        finish_if_complete(v)
-    return results
+    """Every (scenario, engine) of `spec` on every variant, by variant uid, in catalog order (only the engines
+    named in `engines`, when given); serving scenarios (vLLM only) bring their loads along (`Measurements.run`)."""
+    return Measurements(spec, cat, root, engines, on_variant, lanes).run(variants, gpu_deployment, timeout_s)
 
 
 def _kept(declared: Sequence[str], engines: Sequence[str] | None) -> list[str]:

@@ -27,7 +27,6 @@ from quantgate.catalog.schema import (
 from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.flows.speed_plan import SpeedPlan
-from quantgate.tasks import engines as engine_registry
 from quantgate.tasks import faults, launch
 from quantgate.tasks.caching import build_cached, check_calibration_cached, download_cached
 from quantgate.tasks.calibration import CalibrationError
@@ -38,7 +37,6 @@ from quantgate.tasks.errors import one_line
 from quantgate.tasks.evaluate import eval_key, evaluate_task
 from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
-from quantgate.tasks.speed.warmup import WARMUP_TIMEOUT_S, WarmUp, warm_up_aside
 from quantgate.warehouse import store
 
 
@@ -233,51 +231,41 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
               engines: list[str] | None, remeasure: bool, lanes: list[str | None]) -> str:
     """All stages of one model that the run has not completed yet; returns the checkpoint's sha.
 
-    Work whose time is not measured (builds, evaluations, KL, compile warm-ups of what will be measured) runs a
-    few jobs at a time on a GPU, one at a time on a CPU; benchmarks then take the lanes, one measurement per GPU,
-    one per speed key (checkpoints of one format share their rows)."""
+    Work whose time is not measured (builds, evaluations, KL, engine starts) runs a few jobs at a time on a GPU,
+    one at a time on a CPU; a measurement has its GPU alone, one per speed key (checkpoints of one format share
+    their rows)."""
     log = get_run_logger()
     # vLLM's compile cache in the work dir: every engine start of the same shape, in any run, reuses it.
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
-    run.totals = {"quantize": len(spec.variants), "evaluate": 1 + len(spec.variants), "benchmark": 1}
+    run.totals = {"quantize": len(spec.variants), "evaluate": 1 + len(spec.variants)}
     model = _download(run, spec, root, cat)
     base = base_variant(model)
     suite = cat.suites[spec.suite]
     setup = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
     plan = SpeedPlan(spec, cat, engines)
-    warm = setup.device == "cuda" and engine_registry.availability("vllm", "cuda") is None
 
     # The base first: on a CPU (one job at a time) a base whose outputs are not finite stops the run before any
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
-    # Compile warm-ups take a pool of their own, a few at a time, and those not begun when the unmeasured work ends
-    # are dropped: in the shared slots, eight ran two minutes past the evaluations, and the benchmarks waited.
-    with launch.jobs(WARMUPS_AT_ONCE if warm else 1) as warming:
-        with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
-            def ready(v: VariantArtifact) -> None:
-                """A checkpoint is there: it claims its speed key, and warms the vLLM starts it will measure."""
-                if plan.claim(v) and warm and (warms := _warm_ups_to_make(run, v, plan, remeasure)):
-                    compile_stage = _CompileStage(run, v, len(warms))
-                    for w in warms:
-                        future = warming.submit(compile_stage.warm, w, root)
-                        future.add_done_callback(lambda f, w=w: f.cancelled() and compile_stage.dropped(w))
-
+    # On one GPU each checkpoint's engines start as soon as it is built, beside the builds and evaluations, and
+    # measure when the GPU is theirs alone (tasks/launch.GpuClock): the run waits for an engine start only where
+    # nothing else is left to do. Elsewhere (a CPU, several lanes, a GPU pool) the benchmarks follow KL.
+    early = setup.device == "cuda" and lanes == [None] and gpu_deployment is None
+    with launch.gpu_clock(), launch.jobs(launch.ENGINES_PER_GPU if early else 1) as engine_pool:
+        speed = _SpeedStage(run, plan, spec, cat, root, engines, remeasure, lanes, engine_pool if early else None)
+        with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda"), shares_gpu=True) as pool:
             base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
             if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
                 base_quality.result()
             builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name],
-                                  cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup, ready)
+                                  cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup, speed.ready)
                       for name in spec.variants]
-            ready(base)  # after the builds, which start first: the slowest build is the run's critical path
+            speed.ready(base)  # after the builds, which start first: the slowest build is the run's critical path
             base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
             built = [future.result() for future in builds]
         variants_ok = [v for v, usable in built if usable]
-        warming.drop_queued()  # a warm-up begun now would keep the benchmarks waiting longer than it saves them
-
-        _kl(run, base, variants_ok, suite, setup)
-    # The warm-ups are done here: nothing else holds the GPU while it is measured.
-
-    checkpoints = [base, *variants_ok]
-    _benchmark(run, checkpoints, plan, spec, cat, root, gpu_deployment, engines, remeasure, lanes)
+        with launch.sharing():
+            _kl(run, base, variants_ok, suite, setup)
+        speed.finish([base, *variants_ok], gpu_deployment)
 
     decisions = _decide(run, spec, cat, base)
     for d in decisions:
@@ -396,103 +384,74 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
                 store.record_quality(commit.con, run.run_id, v.uid, reports[v.uid], link=False)
 
 
-def _warm_ups_to_make(run: _Run, v: VariantArtifact, plan: SpeedPlan, remeasure: bool) -> list[WarmUp]:
-    """The compile warm-ups of the vLLM starts that measuring `v` will make; none when its speed is stored."""
-    if run.is_done("compile", v.uid) or run.is_done("benchmark", v.uid):
-        return []
-    if not remeasure and run.read(lambda con: store.speed_source(con, plan.key(v))) is not None:
-        return []
-    return plan.warm_ups(v)
+class _SpeedStage:
+    """The benchmark stage: each checkpoint's speed reused from an earlier run of its speed key (format, scenarios,
+    libraries, device), measured by the first checkpoint of its key to be ready, or taken from the one of its key
+    that measures it; each checkpoint's rows stored with its mark as soon as they are in, by this process, the
+    one warehouse writer. With a `pool` (one GPU) measuring begins at `ready`, else at `finish`."""
 
-
-# Compile warm-ups at a time, each at a lower CPU priority (tasks/speed/warmup.py): they use what the builds and
-# evaluations leave.
-WARMUPS_AT_ONCE = 2
-
-
-class _CompileStage:
-    """A checkpoint's compile warm-ups, each run as a job of its own beside the unmeasured work (in a process of
-    its own, so that an interrupt reaches it); the last to end, or to be dropped unbegun, writes the stage row
-    with the engine starts made."""
-
-    def __init__(self, run: _Run, v: VariantArtifact, count: int) -> None:
-        self.run, self.v, self.left = run, v, count
-        self.started_ones: list[str] = []
-        self.notes: list[str] = []
-        self.started = store.now()
+    def __init__(self, run: _Run, plan: SpeedPlan, spec: ModelSpec, cat: Catalog, root: Path,
+                 engines: list[str] | None, remeasure: bool, lanes: list[str | None], pool: launch.Jobs | None) -> None:
+        self.run, self.plan, self.remeasure, self.early = run, plan, remeasure, pool is not None
+        self.measurements = dispatch.Measurements(spec, cat, root, engines, self._store, lanes, pool)
+        self.started: dict[str, VariantArtifact] = {}
+        self.takers: dict[str, list[VariantArtifact]] = {}
+        self.stored: set[str] = set()
         self.lock = threading.Lock()
-        run.enter("compile", v.name)
 
-    def warm(self, w: WarmUp, root: Path) -> None:
-        log_dir = root / dispatch.SERVING_LOGS / self.v.name / "warm-ups"
-        try:
-            why = launch.on_gpus(None, WARMUP_TIMEOUT_S, warm_up_aside, self.v.path or "", w, log_dir)
-        except launch.LaunchError as e:
-            why = str(e)
-        if why is not None:
-            get_run_logger().warning("%s: compile warm-up of %s failed; its measured start compiles instead (%s)",
-                                     self.v.name, w.label, why)
-        self._ended(w.label, f"failed {w.label}: {why}" if why is not None else None, started=True)
+    def ready(self, v: VariantArtifact) -> None:
+        """A checkpoint is there: it claims its speed key, and on one GPU its engines start now."""
+        if not self.plan.claim(v) or not self.early or self.run.is_done("benchmark", v.uid):
+            return
+        if not self.remeasure and self._source(v) is not None:
+            return  # an earlier run measured the key: linked in `finish`
+        self.started[v.uid] = v
+        self.run.enter("benchmark", v.name)
+        self.measurements.start(v)
 
-    def dropped(self, w: WarmUp) -> None:
-        self._ended(w.label, f"not begun before the benchmarks: {w.label}", started=False)
+    def finish(self, checkpoints: list[VariantArtifact], gpu_deployment: str | None) -> None:
+        """The speed of every checkpoint not yet stored: reused, measured (those not started yet) or taken; returns
+        once every row is stored."""
+        log = get_run_logger()
+        todo: list[VariantArtifact] = []
+        ready = [*checkpoints, *(v for v in self.started.values() if v not in checkpoints)]
+        for v in checkpoints:
+            if self.run.is_done("benchmark", v.uid) or v.uid in self.started:
+                continue
+            key = self.plan.key(v)
+            source = None if self.remeasure else self._source(v)
+            measurer = self.plan.measurer(v, ready)
+            if source is not None and source[0] != self.run.run_id:
+                log.info("%s: speed unchanged since run %s (same format, scenarios, libraries and device); reused",
+                         v.name, source[0])
+                with self.run.stage("benchmark", v.uid, f"reused from run {source[0]}") as commit:
+                    store.link_speed(commit.con, self.run.run_id, v.uid, key, source)
+            elif measurer.uid == v.uid:
+                todo.append(v)
+            else:
+                with self.lock:
+                    later = measurer.uid not in self.stored and not self.run.is_done("benchmark", measurer.uid)
+                    if later:
+                        self.takers.setdefault(measurer.uid, []).append(v)
+                if not later:
+                    _take_speed(self.run, v, measurer, key)
+        if todo:
+            self.run.enter("benchmark", ", ".join(v.name for v in todo))
+        self.measurements.run(todo, gpu_deployment)
 
-    def _ended(self, label: str, note: str | None, started: bool) -> None:
+    def _source(self, v: VariantArtifact) -> tuple[str, str] | None:
+        return self.run.read(lambda con: store.speed_source(con, self.plan.key(v)))
+
+    def _store(self, uid: str, result: dispatch.JobResult) -> None:
+        v = self.measurements.variant(uid)
+        with self.run.stage("benchmark", uid, started=result.started_at, engine_starts=result.engine_starts) as commit:
+            store.record_measured(commit.con, self.run.run_id, uid, result.measured)
+            store.link_speed(commit.con, self.run.run_id, uid, self.plan.key(v))
         with self.lock:
-            if started:
-                self.started_ones.append(label)
-            if note:
-                self.notes.append(note)
-            self.left -= 1
-            if self.left:
-                return
-        detail = f"{len(self.started_ones)} warm-up(s): {', '.join(self.started_ones)}"
-        with self.run.stage("compile", self.v.uid, detail + "".join(f"; {n}" for n in self.notes), self.started,
-                            engine_starts=len(self.started_ones)):
-            pass
-
-
-def _benchmark(run: _Run, checkpoints: list[VariantArtifact], plan: SpeedPlan, spec: ModelSpec, cat: Catalog,
-               root: Path, gpu_deployment: str | None, engines: list[str] | None, remeasure: bool,
-               lanes: list[str | None]) -> None:
-    """Speed of every checkpoint: measured once per speed key (its format, scenarios, libraries and device),
-    unless an earlier run measured the key (`remeasure`: always); the key's other checkpoints take its rows."""
-    log = get_run_logger()
-    todo: list[VariantArtifact] = []
-    takers: dict[str, list[VariantArtifact]] = {}
-    for v in checkpoints:
-        if run.is_done("benchmark", v.uid):
-            continue
-        key = plan.key(v)
-        source = None if remeasure else run.read(lambda con, key=key: store.speed_source(con, key))
-        measurer = plan.measurer(v, checkpoints)
-        if source is not None and source[0] != run.run_id:
-            log.info("%s: speed unchanged since run %s (same format, scenarios, libraries and device); reused",
-                     v.name, source[0])
-            with run.stage("benchmark", v.uid, f"reused from run {source[0]}") as commit:
-                store.link_speed(commit.con, run.run_id, v.uid, key, source)
-        elif measurer.uid == v.uid:
-            todo.append(v)
-        elif run.is_done("benchmark", measurer.uid):
-            _take_speed(run, v, measurer, key)
-        else:
-            takers.setdefault(measurer.uid, []).append(v)
-
-    # Results come back here, the one warehouse writer, and each checkpoint's rows are stored with its
-    # completion mark as soon as they are all in; the checkpoints of its format take them at once.
-    by_uid = {v.uid: v for v in checkpoints}
-
-    def store_speed(uid: str, result: dispatch.JobResult) -> None:
-        with run.stage("benchmark", uid, started=result.started_at, engine_starts=result.engine_starts) as commit:
-            store.record_measured(commit.con, run.run_id, uid, result.measured)
-            store.link_speed(commit.con, run.run_id, uid, plan.key(by_uid[uid]))
-        for v in takers.get(uid, []):
-            _take_speed(run, v, by_uid[uid], plan.key(v))
-
-    if todo:
-        run.enter("benchmark", ", ".join(v.name for v in todo))
-    dispatch.benchmark_all(todo, spec, cat, root, gpu_deployment, engines=engines, on_variant=store_speed,
-                           lanes=lanes)
+            self.stored.add(uid)
+            takers = self.takers.pop(uid, [])
+        for taker in takers:
+            _take_speed(self.run, taker, v, self.plan.key(taker))
 
 
 def _take_speed(run: _Run, v: VariantArtifact, measurer: VariantArtifact, key: str) -> None:

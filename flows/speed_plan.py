@@ -1,9 +1,9 @@
-"""Which checkpoint's speed is measured for which, and what to warm before it is.
+"""Which checkpoint's speed is measured for which.
 
 A checkpoint's speed key is what its speed rows depend on: its format (tasks/speed/checkpoint.speed_format: the
 same config, quantization layout and tensor shapes run the same kernels on the same shapes), the scenarios and
-engines, the libraries and the device. One checkpoint per key is measured (the first one ready: its compile
-warm-ups can start while the others still build) and the rest of the key take its rows; a key measured by an
+engines, the libraries and the device. One checkpoint per key is measured (the first one ready: on one GPU its
+engines can start while the others still build) and the rest of the key take its rows; a key measured by an
 earlier run is not measured again unless asked.
 """
 
@@ -15,11 +15,9 @@ import threading
 from collections.abc import Sequence
 
 from quantgate.catalog.schema import Catalog, ModelSpec
-from quantgate.flows.dispatch import speed_jobs
 from quantgate.tasks.benchmark import speed_environment
 from quantgate.tasks.records import VariantArtifact
 from quantgate.tasks.speed.checkpoint import speed_format
-from quantgate.tasks.speed.warmup import WarmUp, warm_ups
 
 
 class SpeedPlan:
@@ -54,8 +52,3 @@ class SpeedPlan:
         claimed = self._measures.get(self.key(v))
         same = [c for c in ready if self.key(c) == self.key(v)]
         return claimed if claimed is not None and claimed in same else same[0]
-
-    def warm_ups(self, v: VariantArtifact) -> list[WarmUp]:
-        """The vLLM starts that measuring `v` will make, to warm while unmeasured work runs."""
-        return [w for job in speed_jobs(v, self._scenarios, self._engines)
-                for w in warm_ups(v.path or "", job.engine, job.scenarios)]

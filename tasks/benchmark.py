@@ -1,5 +1,6 @@
 """Offline and latency speed of one checkpoint: engine × scenarios, each engine in a fresh spawned process
 (tasks/launch.in_process_group), its start retried with less memory when it runs out (tasks/speed/retry.py).
+The engine loads while other work may share the GPU and measures with the GPU alone (tasks/launch.measuring).
 
 A fresh process per engine start means engines never share a CUDA context or allocator state, and a
 crash, an out-of-memory kill or a hang costs that run's results ("failed", with a one-line reason), not
@@ -14,6 +15,7 @@ import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +36,7 @@ from quantgate.tasks.roofline import (
 )
 from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.errors import BenchmarkError
-from quantgate.tasks.speed.options import engine_options, resolve_device, wants_random_weights
+from quantgate.tasks.speed.options import engine_options, resolve_device, sized_kv_cache, wants_random_weights
 from quantgate.tasks.speed.prompts import make_prompt_sets
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.speed.vllm_cli import compile_cache_from_log
@@ -131,14 +133,18 @@ def run_scenarios(
 
     needed_len = max(s.input_len + s.output_len for _, s in scenarios)
     items = [s for _, s in scenarios]
+    if engine_name == "vllm":
+        opts = sized_kv_cache(opts, model_path, items)
     deadline = time.monotonic() + timeout_s
 
     def start(used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
         log = Path(log_dir) / f"{engine_name}-{tried}.log" if log_dir and isolate else None
         if isolate:
+            # A retry after running out of memory starts with the GPU alone: nothing else is loading then.
             status, payload = launch.in_process_group(
                 _measure_group, (model_path, engine_name, items, used),
                 deadline - time.monotonic() if tried else timeout_s, log, name=f"quantgate-bench-{engine_name}",
+                start_alone=tried > 0,
             )
         else:
             try:
@@ -249,29 +255,38 @@ def _measure_group(
     prompt_sets = [make_prompt_sets(s, model_path, s.warmup + s.repetitions) for s in scenarios]
     engine = engines.create(engine_name)
     out: list[tuple[str, Any]] = []
-    with Telemetry(opts.device) as telemetry:
+    # GPU memory of this process group (the engine and vLLM's engine core): other jobs may share the GPU.
+    with Telemetry(opts.device, group=os.getpgrp()) as telemetry:
         engine.load(model_path, opts)
-        try:
-            for scenario, sets in zip(scenarios, prompt_sets, strict=True):
-                try:
-                    out.append(("ok", _measure_one(engine, scenario, sets, telemetry, opts)))
-                except Exception as e:
-                    out.append(("failed", one_line(e)))
-        finally:
-            engine.close()
-    # Measured last, on a GPU the engine has let go of: the ceiling the latency runs are held against.
-    if opts.device == "cuda" and any(s.kind == "latency" for s in scenarios):
-        bandwidth, problem = None, None
-        try:
-            bandwidth = measure_bandwidth_gbps()
-        except Exception as e:  # the latency results stand without their roofline
-            problem = one_line(e)
-        for scenario, (status, measured) in zip(scenarios, out, strict=True):
-            if status == "ok" and scenario.kind == "latency":
-                measured["bandwidth_gbps"] = bandwidth
-                if problem:
-                    measured["details"]["bandwidth"] = problem
+        with launch.measuring() as window:
+            try:
+                for scenario, sets in zip(scenarios, prompt_sets, strict=True):
+                    began = datetime.now(timezone.utc)
+                    try:
+                        measured = _measure_one(engine, scenario, sets, telemetry, opts)
+                        measured["details"].update(window.details(began))
+                        out.append(("ok", measured))
+                    except Exception as e:
+                        out.append(("failed", one_line(e)))
+            finally:
+                engine.close()
+            # Measured last, on a GPU the engine has let go of: the ceiling the latency runs are held against.
+            if opts.device == "cuda" and any(s.kind == "latency" for s in scenarios):
+                _add_bandwidth(scenarios, out)
     return out
+
+
+def _add_bandwidth(scenarios: list[ScenarioSpec], out: list[tuple[str, Any]]) -> None:
+    bandwidth, problem = None, None
+    try:
+        bandwidth = measure_bandwidth_gbps()
+    except Exception as e:  # the latency results stand without their roofline
+        problem = one_line(e)
+    for scenario, (status, measured) in zip(scenarios, out, strict=True):
+        if status == "ok" and scenario.kind == "latency":
+            measured["bandwidth_gbps"] = bandwidth
+            if problem:
+                measured["details"]["bandwidth"] = problem
 
 
 def _measure_one(

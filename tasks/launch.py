@@ -3,7 +3,9 @@ jobs at once on a shared device. The one place that owns process isolation for f
 measurement (in_process_group: a fresh process leading its own group, killed with all it started).
 
 Measured work (speed) takes a lane, so two measurements never share a GPU; work whose time is not measured
-(quantization, lm-eval, KL) may share one, up to `shared_slots` jobs at a time.
+(quantization, lm-eval, KL, an engine's start) may share one, up to `shared_slots` jobs at a time. On one GPU a
+`GpuClock` says when: engines start beside the unmeasured work and each measures once it has the GPU alone
+(`measuring`), so that the run waits for engine starts only where nothing else was left to do.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +33,9 @@ R = TypeVar("R")
 # How many unmeasured jobs may share one GPU at a time. A 1.5B model takes a few GB of an H200's 141, and
 # each lm-eval engine is given a fixed KV cache (tasks/evaluators/lm_eval.py), so four fit with room to spare.
 SHARED_JOBS_PER_GPU = int(os.environ.get("QUANTGATE_SHARED_JOBS_PER_GPU", "4"))
+# How many speed jobs may have their engine loaded on one GPU at a time, waiting their turn to measure alone. Each
+# takes a KV cache sized to its scenarios' load (tasks/speed/options.sized_kv_cache): for a 1.5B model 1-14 GB.
+ENGINES_PER_GPU = int(os.environ.get("QUANTGATE_ENGINES_PER_GPU", "12"))
 
 
 class LaunchError(RuntimeError):
@@ -47,6 +55,127 @@ def lanes_from(gpus: str | None) -> list[str | None]:
 def shared_slots(lanes: Sequence[str | None], on_gpu: bool) -> int:
     """Unmeasured jobs at a time: a few per GPU; one on a CPU, whose cores one job already keeps busy."""
     return max(1, SHARED_JOBS_PER_GPU * len(lanes)) if on_gpu else 1
+
+
+class GpuClock:
+    """One GPU's time between the jobs of a run: work whose time is not measured (a build, an evaluation, KL, an
+    engine's start) shares the GPU; a speed measurement has it alone. A measurement waits until nothing shares
+    the GPU and no other measurement runs; shared work waits while a measurement runs. `abort` (an interrupt)
+    wakes every waiter with LaunchError."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._sharing = 0
+        self._alone = False
+        self._aborted: str | None = None
+        self._held = threading.local()  # shares held by the calling thread
+
+    def share(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._alone or self._aborted)
+            self._raise_if_aborted()
+            self._sharing += 1
+        self._held.shares = getattr(self._held, "shares", 0) + 1
+
+    def unshare(self) -> None:
+        self._held.shares -= 1
+        with self._cond:
+            self._sharing -= 1
+            self._cond.notify_all()
+
+    def take(self) -> float:
+        """Wait for the GPU alone and hold it; returns the seconds waited."""
+        if getattr(self._held, "shares", 0):
+            raise LaunchError("a measurement asked for the GPU alone from work that shares it: it would wait for itself")
+        began = time.monotonic()
+        with self._cond:
+            self._cond.wait_for(lambda: (not self._alone and not self._sharing) or self._aborted)
+            self._raise_if_aborted()
+            self._alone = True
+        return time.monotonic() - began
+
+    def give(self) -> None:
+        with self._cond:
+            self._alone = False
+            self._cond.notify_all()
+
+    def abort(self, why: str) -> None:
+        with self._cond:
+            self._aborted = why
+            self._cond.notify_all()
+
+    def _raise_if_aborted(self) -> None:
+        if self._aborted:
+            raise LaunchError(f"stopped while waiting for the GPU: {self._aborted}")
+
+
+@dataclass(frozen=True)
+class GpuWindow:
+    """A measurement's time with the GPU alone: how long it waited for it, and when it began (UTC)."""
+
+    waited_s: float
+    began_at: datetime
+
+    def details(self, since: datetime | None = None) -> dict[str, Any]:
+        """What a speed row records of it: the wait, and when its measurement began (`since`, default the
+        window's start) and ended (now)."""
+        return {"gpu_wait_s": round(self.waited_s, 3), "measured_from": (since or self.began_at).isoformat(),
+                "measured_to": datetime.now(timezone.utc).isoformat()}
+
+
+_CLOCK: contextvars.ContextVar[GpuClock | None] = contextvars.ContextVar("quantgate_gpu_clock", default=None)
+_CLOCKS: set[GpuClock] = set()
+# In a process started by in_process_group: its pipes to the parent, which holds the clock.
+_GATE: tuple[Any, Any] | None = None
+
+
+@contextmanager
+def gpu_clock() -> Iterator[GpuClock]:
+    """A clock for one GPU, for the jobs started inside (threads that copy this context, as `jobs` does)."""
+    clock = GpuClock()
+    token = _CLOCK.set(clock)
+    with _SPAWNING:
+        _CLOCKS.add(clock)
+    try:
+        yield clock
+    finally:
+        _CLOCK.reset(token)
+        with _SPAWNING:
+            _CLOCKS.discard(clock)
+
+
+@contextmanager
+def sharing() -> Iterator[None]:
+    """What runs inside shares the GPU (unmeasured work); it waits while a measurement runs. No clock: no wait."""
+    clock = _CLOCK.get()
+    if clock is None:
+        yield
+        return
+    clock.share()
+    try:
+        yield
+    finally:
+        clock.unshare()
+
+
+@contextmanager
+def measuring() -> Iterator[GpuWindow]:
+    """What runs inside has the GPU alone: nothing that shares it runs meanwhile, nor another measurement. In a
+    process started by in_process_group the parent is asked, and holds the GPU until this process has ended
+    (an engine's teardown included). No clock: at once."""
+    if _GATE is not None:
+        answers, go = _GATE
+        answers.send(("ready", None))
+        waited = go.recv()
+        yield GpuWindow(waited, datetime.now(timezone.utc))
+        return
+    clock = _CLOCK.get()
+    waited = clock.take() if clock is not None else 0.0
+    try:
+        yield GpuWindow(waited, datetime.now(timezone.utc))
+    finally:
+        if clock is not None:
+            clock.give()
 
 
 def on_gpus(gpus: str | None, timeout_s: float | None, fn: Callable[..., T], *args: Any) -> T:
@@ -100,11 +229,14 @@ def on_gpus(gpus: str | None, timeout_s: float | None, fn: Callable[..., T], *ar
 
 
 def interrupt_children() -> None:
-    """SIGINT to every process started by on_gpus: each stops its servers and engines and answers."""
+    """SIGINT to every process started by on_gpus: each stops its servers and engines and answers; jobs waiting
+    for the GPU stop waiting."""
     with _SPAWNING:
         for proc in _RUNNING:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGINT)  # type: ignore[arg-type]
+        for clock in _CLOCKS:
+            clock.abort("the run was interrupted")
 
 
 _SPAWNING = threading.Lock()
@@ -121,20 +253,17 @@ def _answer(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
 
 
 class Jobs:
-    """Unmeasured jobs, up to `slots` at a time, each in a copy of the caller's context (Prefect then sees its
-    task runs inside the flow run). With one slot a job runs at once in the caller's thread, so that a signal
-    interrupts it where it is (a CPU runs one job at a time anyway)."""
+    """Jobs, up to `slots` at a time, each in a copy of the caller's context (Prefect then sees its task runs
+    inside the flow run). With one slot a job runs at once in the caller's thread, so that a signal interrupts
+    it where it is (a CPU runs one job at a time anyway). `shares_gpu`: each job is unmeasured work (`sharing`)."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, shares_gpu: bool = False) -> None:
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="quantgate-job") if slots > 1 else None
-
-    def drop_queued(self) -> None:
-        """Jobs not begun are cancelled (their futures say so, and their done callbacks run); running ones go on.
-        Nothing can be submitted afterwards."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._shares = shares_gpu
 
     def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        if self._shares:
+            fn, args = _shared, (fn, *args)
         if self._pool is not None:
             return submit(self._pool, fn, *args)
         done: Future[R] = Future()
@@ -145,12 +274,17 @@ class Jobs:
         return done
 
 
+def _shared(fn: Callable[..., R], *args: Any) -> R:
+    with sharing():
+        return fn(*args)
+
+
 @contextmanager
-def jobs(slots: int) -> Iterator[Jobs]:
+def jobs(slots: int, shares_gpu: bool = False) -> Iterator[Jobs]:
     """A `Jobs` pool. On an exception (an interrupt included) nothing queued starts, what runs in child
     processes is interrupted, and it is raised at once: the caller's cleanup ends the processes the jobs wait
     on, and with them the jobs."""
-    pool = Jobs(max(1, slots))
+    pool = Jobs(max(1, slots), shares_gpu)
     try:
         yield pool
     except BaseException:
@@ -201,40 +335,81 @@ def in_lanes(items: Iterable[T], lanes: Sequence[str | None], work: Callable[[T,
 
 
 def in_process_group(
-    fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, log: Path | None = None, name: str = "quantgate"
+    fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, log: Path | None = None, name: str = "quantgate",
+    start_alone: bool = False,
 ) -> tuple[str, Any]:
     """fn(*args) in a fresh spawned process that leads its own process group, its output (and that of what it
     starts) to `log`: ("ok", what it returned), or ("failed", a one-line reason) when it raised, died, or did
-    not answer within `timeout_s`. The whole group is killed afterwards, so a hung run cannot keep holding the
-    GPU. This is how a speed measurement runs: an engine never shares a CUDA context or allocator state."""
+    not answer within `timeout_s` (the time it waits for the GPU not counted). The whole group is killed
+    afterwards, so a hung run cannot keep holding the GPU. This is how a speed measurement runs: an engine never
+    shares a CUDA context or allocator state.
+
+    Under a GPU clock the process shares the GPU until it enters `measuring()`, and has it alone from then until
+    it has ended (`measuring` is entered once per process); `start_alone` holds the GPU alone from the start (a
+    retry after running out of memory)."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
+    go_in, go_out = ctx.Pipe(duplex=False)
     # Not a daemon: vLLM starts its own engine-core process, which daemons may not do.
     proc = ctx.Process(
         target=_lead_group,
-        args=(sender, fn, args, str(log) if log else None),
+        args=(sender, go_in, fn, args, str(log) if log else None),
         name=name,
     )
+    clock = _CLOCK.get()
+    shared = alone = False
+    waited = 0.0
+    if clock is not None:
+        if start_alone:
+            waited, alone = clock.take(), True
+        else:
+            clock.share()
+            shared = True
+    began = time.monotonic()
     proc.start()
     sender.close()  # so the receiver sees EOF if the child dies without answering
+    go_in.close()
     try:
-        if not receiver.poll(timeout_s):
+        answer = _answer_within(receiver, proc, timeout_s)
+        if answer is not None and answer[0] == "ready":  # loaded: it measures with the GPU alone
+            if shared:
+                clock.unshare()  # type: ignore[union-attr]
+                shared = False
+            if clock is not None and not alone:
+                waited, alone = clock.take(), True
+            go_out.send(waited)
+            answer = _answer_within(receiver, proc, max(1.0, timeout_s - (time.monotonic() - began)))
+        if answer is None:
             return "failed", f"timed out after {timeout_s:g} s"
-        try:
-            answer = receiver.recv()
-        except EOFError:
-            proc.join()
-            return "failed", _exit_reason(proc.exitcode)
         proc.join(timeout=60)  # time for the engine to tear down
         return answer
     finally:
         _kill_group(proc)
         receiver.close()
+        go_out.close()
+        if shared:
+            clock.unshare()  # type: ignore[union-attr]
+        if alone:
+            clock.give()  # type: ignore[union-attr]
 
 
-def _lead_group(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...], log: str | None) -> None:
+def _answer_within(receiver: Any, proc: multiprocessing.process.BaseProcess,
+                   timeout_s: float) -> tuple[str, Any] | None:
+    """The child's next message ("ready" once it measures, then its answer), or None when it did not come in time."""
+    if not receiver.poll(timeout_s):
+        return None
+    try:
+        return receiver.recv()
+    except EOFError:
+        proc.join()
+        return "failed", _exit_reason(proc.exitcode)
+
+
+def _lead_group(sender: Any, go: Any, fn: Callable[..., Any], args: tuple[Any, ...], log: str | None) -> None:
+    global _GATE
     # Its own process group, so the parent can also end what the engine started (vLLM's engine core).
     os.setpgrp()
+    _GATE = (sender, go)
     if log:
         # At the descriptor level, so that processes the engine starts write there too.
         Path(log).parent.mkdir(parents=True, exist_ok=True)

@@ -16,12 +16,16 @@ from typing import Any
 class Telemetry:
     """Open around everything the engine does (load included): `with Telemetry(device) as t: ...`.
 
-    GPU memory is the device's used memory sampled in a thread, minus what was used when the region
-    began; it is device-wide, so it also covers vLLM's engine-core process (and anyone else on the GPU).
+    GPU memory is sampled in a thread: with `group`, the memory NVML lists for the processes of that process
+    group (an engine and vLLM's engine core, while other jobs may share the GPU); else the device's used memory
+    minus what was used when the region began. A group none of whose processes NVML lists (its process ids are
+    of another PID namespace) reads None, not another job's memory.
     """
 
-    def __init__(self, device: str, interval_s: float = 0.01) -> None:
+    def __init__(self, device: str, interval_s: float = 0.01, group: int | None = None) -> None:
         self.device = device
+        self._group = group
+        self._group_seen = False
         self._interval_s = interval_s
         self._nvml: Any = None
         self._handle: Any = None
@@ -34,7 +38,8 @@ class Telemetry:
         if self.device == "cuda":
             self._open_nvml()
         if self._handle is not None:
-            self._baseline = self._peak = self._used()
+            self._baseline = 0 if self._group is not None else self._used()
+            self._peak = self._used()
             self._thread = threading.Thread(target=self._sample, name="nvml-memory", daemon=True)
             self._thread.start()
         return self
@@ -61,7 +66,8 @@ class Telemetry:
     @property
     def peak_memory_bytes(self) -> int | None:
         if self.device == "cuda":
-            return max(self._peak - self._baseline, _torch_reserved_peak()) or None
+            seen = self._peak - self._baseline if self._group is None or self._group_seen else 0
+            return max(seen, _torch_reserved_peak()) or None
         # ru_maxrss is in KiB on Linux.
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -71,7 +77,8 @@ class Telemetry:
         what was in use when the region began; None without NVML."""
         if self._handle is None:
             return None
-        return max(self._peak, self._used()) - self._baseline
+        peak = max(self._peak, self._used()) - self._baseline
+        return None if self._group is not None and not self._group_seen else peak
 
     @property
     def torch_peak_bytes(self) -> int | None:
@@ -106,7 +113,22 @@ class Telemetry:
             pynvml.nvmlShutdown()
 
     def _used(self) -> int:
-        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+        if self._group is None:
+            return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+        try:
+            processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except self._nvml.NVMLError:
+            return 0
+        total = 0
+        for p in processes:
+            try:
+                if os.getpgid(p.pid) != self._group:
+                    continue
+            except (ProcessLookupError, PermissionError):  # gone, or a process of another namespace
+                continue
+            self._group_seen = True
+            total += int(p.usedGpuMemory or 0)
+        return total
 
     def _sample(self) -> None:
         while not self._stop.wait(self._interval_s):

@@ -171,3 +171,15 @@ def test_cli_sql_is_read_only_and_errors_are_one_line(two_runs):
     unknown = subprocess.run([*cli, "run", "no-such-model", "-w", wh], capture_output=True, text=True)
     assert unknown.returncode == 1
     assert unknown.stderr.strip().count("\n") == 0 and "unknown model 'no-such-model'" in unknown.stderr
+
+
+def test_every_measurement_has_its_window_and_nothing_overlaps_it(two_runs):
+    """The CPU run measures after KL, one engine at a time; the view holds the GPU run to the same rule, where
+    engines start beside the builds and evaluations (tests/test_gpu_clock.py has that interleaving)."""
+    wh, *_ = two_runs
+    with store.session(wh, read_only=True) as con:
+        measured = con.execute("SELECT count(*) FROM speed_results WHERE status = 'ok'").fetchone()[0]
+        windows = store.rows(con, "SELECT * FROM measurement_windows")
+    assert measured and len(windows) == measured
+    assert all(w["seconds"] > 0 and w["waited_s"] >= 0 for w in windows)
+    assert [(w["overlapping_work"], w["overlapping_measurements"]) for w in windows] == [(0, 0)] * len(windows)

@@ -149,6 +149,32 @@ def test_a_forced_kernel_is_skipped_on_a_checkpoint_without_weight_only_layers(t
             assert kernel.status == "ok" and len(ran[path]) == 3 and ran[path][0][1] == 180.0
 
 
+def test_forcing_the_kernel_the_defaults_chose_for_every_layer_is_skipped(tmp_path):
+    from quantgate.tasks.speed.vllm_cli import kernel_from_log
+
+    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4], sweep={"kernel": ["MarlinLinearKernel"]})
+    w4a16 = _checkpoint(tmp_path / "w4a16", _group("int"))
+    logs = {"marlin": "Using MarlinLinearKernel for CompressedTensorsWNA16\n" * 3,
+            "mixed": "Using MarlinLinearKernel for CompressedTensorsWNA16\nUsing MacheteLinearKernel for X\n"}
+    for name, text in logs.items():
+        (tmp_path / f"{name}.log").write_text(text)
+    assert kernel_from_log(tmp_path / "marlin.log") == "MarlinLinearKernel"
+    assert kernel_from_log(tmp_path / "mixed.log") == "MarlinLinearKernel+MacheteLinearKernel"
+    for name, runs_again in (("marlin", False), ("mixed", True)):
+        ran = []
+
+        def serve(model_path, point, sc, *, work_dir, timeout_s, options, extra_args, env, name=name):
+            ran.append(point)
+            return SpeedResult("vllm", point, "ok", None, {}, details={"kernel": kernel_from_log(tmp_path / f"{name}.log")}), []
+
+        runs = serve_sweep(w4a16, "sw", scenario, work_dir=tmp_path / "work", timeout_s=300, serve=serve,
+                           clock=lambda: 0.0)
+        forced = runs[1][0]
+        assert (forced.status == "ok") is runs_again and len(ran) == 1 + runs_again
+        if not runs_again:
+            assert "already ran every mixed-precision layer with MarlinLinearKernel" in forced.reason
+
+
 # --- the views ---------------------------------------------------------------------------------
 
 

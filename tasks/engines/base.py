@@ -28,8 +28,8 @@ class EngineOptions:
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     max_cudagraph_capture_size: int | None = None
-    # vLLM only: a fixed KV cache instead of profiling free memory (a compile warm-up beside other jobs; vLLM's
-    # compile cache key leaves memory settings out, so it compiles what the measured engine will load).
+    # vLLM only: a fixed KV cache instead of a share of free memory (tasks/speed/options.sized_kv_cache: an engine
+    # that starts beside other jobs; vLLM's compile cache key leaves memory settings out).
     kv_cache_memory_bytes: int | None = None
     # Transformers only: a static KV cache, which makes generate() torch.compile its decoding step.
     compile: bool = False

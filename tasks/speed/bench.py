@@ -14,9 +14,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from quantgate.catalog.schema import ScenarioSpec, bench_mismatch
+from quantgate.tasks import launch
 from quantgate.tasks.engines import EngineOptions
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.speed.errors import ServingError
+from quantgate.tasks.speed.options import sized_kv_cache
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.processes import end_group, group_alive, log_tail, spawn_session
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
@@ -97,21 +99,26 @@ def bench_scenario(
         return early
     if (why := bench_mismatch(scenario)) is not None:
         return result("skipped", why, opts)
+    # The KV cache our engine session of the same scenario gets: the cross-check compares one config.
+    opts = sized_kv_cache(opts, model_path, [scenario])
     deadline = time.monotonic() + timeout_s
 
     def start(used: EngineOptions, tried: int) -> dict[str, Any] | Failure:
         bench_dir = Path(work_dir) / f"bench-{scenario_name}-{tried}"
         try:
-            return vllm_bench_throughput(
-                model_path,
-                input_len=scenario.input_len,
-                output_len=scenario.output_len,
-                num_prompts=scenario.num_prompts,
-                work_dir=bench_dir,
-                seed=used.seed,
-                extra_args=bench_engine_args(used, scenario.num_prompts if scenario.warmup else 0),
-                timeout_s=max(1.0, deadline - time.monotonic()),
-            )
+            # Its start and its measurement are one command: both with the GPU alone.
+            with launch.measuring() as window:
+                res = vllm_bench_throughput(
+                    model_path,
+                    input_len=scenario.input_len,
+                    output_len=scenario.output_len,
+                    num_prompts=scenario.num_prompts,
+                    work_dir=bench_dir,
+                    seed=used.seed,
+                    extra_args=bench_engine_args(used, scenario.num_prompts if scenario.warmup else 0),
+                    timeout_s=max(1.0, deadline + window.waited_s - time.monotonic()),
+                )
+                return {**res, "window": window.details()}
         except ServingError as e:
             return Failure(str(e), bench_dir / "vllm_bench_throughput.log")
 
@@ -132,7 +139,8 @@ def bench_scenario(
         requests_per_s=res["requests_per_s"],
         versions=vllm_versions(),
         details={"command": res["command"], "elapsed_s": res["elapsed_s"], "engine_starts": tried.engine_starts,
-                 "total_num_tokens": res["total_num_tokens"], **({"attempts": attempts} if attempts else {})},
+                 "total_num_tokens": res["total_num_tokens"], **res["window"],
+                 **({"attempts": attempts} if attempts else {})},
     )
 
 

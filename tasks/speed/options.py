@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks.engines import EngineOptions
+from quantgate.tasks.roofline import kv_bytes_per_token
+from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.errors import BenchmarkError
+
+# Room over the scenarios' whole load in the KV cache: vLLM allocates whole blocks, and CUDA-graph padding and the
+# scheduler's look-ahead take a little more than the tokens themselves.
+KV_HEADROOM = 1.25
+MIN_KV_CACHE_BYTES = 1 << 30
+# With a sized KV cache this only sets the free memory vLLM asks for at start, while other jobs hold the rest.
+SIZED_GPU_MEMORY_UTILIZATION = 0.1
 
 
 def resolve_device(device: str) -> str:
@@ -55,3 +64,23 @@ def wants_random_weights(model_path: str | Path, scenario: ScenarioSpec) -> bool
     int32 weights uninitialised) loads them like any checkpoint."""
     return scenario.weights == "dummy" and not any(Path(model_path).glob("*.safetensors"))
 
+
+
+def sized_kv_cache(opts: EngineOptions, model_path: str | Path, scenarios: Sequence[ScenarioSpec]) -> EngineOptions:
+    """vLLM's options with a KV cache sized to what the scenarios hold at most (every sequence they may have in
+    flight at full length, KV_HEADROOM over it, never less than one sequence of max_model_len) instead of a share
+    of the GPU's memory. The figures are those of a larger cache, since this one never fills: nothing is preempted
+    or queued for room (the serving sweep's moot rule reads the size). An engine that starts beside other work
+    takes what it needs, not 80% of the GPU, and its size does not depend on what else the GPU holds.
+
+    Unchanged off a GPU, when a scenario sets gpu_memory_utilization, or without a config to size from."""
+    if opts.device != "cuda" or opts.kv_cache_memory_bytes or any(s.gpu_memory_utilization is not None
+                                                                  for s in scenarios):
+        return opts
+    config = text_config(model_path)
+    if not config or not scenarios:
+        return opts
+    tokens = max(max(s.most_in_flight() * (s.input_len + s.output_len) for s in scenarios), opts.max_model_len or 0)
+    per_token = kv_bytes_per_token(config, 4 if opts.dtype == "float32" else 2)
+    return dataclasses.replace(opts, kv_cache_memory_bytes=max(MIN_KV_CACHE_BYTES, int(tokens * per_token * KV_HEADROOM)),
+                               gpu_memory_utilization=SIZED_GPU_MEMORY_UTILIZATION)

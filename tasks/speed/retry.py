@@ -19,10 +19,15 @@ T = TypeVar("T")
 
 def fallback_options(options: EngineOptions, engine_name: str, needed_len: int) -> list[EngineOptions]:
     """The options to try in order when an engine start runs out of GPU memory: as asked, then (vLLM)
-    a smaller gpu_memory_utilization, then also the smallest max_model_len the scenarios need."""
+    a smaller gpu_memory_utilization, then also the smallest max_model_len the scenarios need; with a sized KV
+    cache, the same options once more."""
     tries = [options]
     if engine_name != "vllm":
         return tries
+    if options.kv_cache_memory_bytes:
+        # A sized KV cache asks for what it needs: the retry is the same start, made with the GPU alone
+        # (tasks/launch.measuring), when no other job is loading beside it.
+        return [options, options]
     lower = round(max(0.3, options.gpu_memory_utilization - 0.2), 2)
     if lower < options.gpu_memory_utilization:
         tries.append(dataclasses.replace(options, gpu_memory_utilization=lower))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from quantgate.catalog.schema import ScenarioSpec
+from quantgate.tasks import launch
 from quantgate.tasks.engines import EngineOptions
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.roofline import kv_bytes_per_token
@@ -19,6 +20,7 @@ from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.client import RequestRecord, ServingLoad, run_load
 from quantgate.tasks.speed.errors import ServingError
 from quantgate.tasks.speed.metrics import Slo, summarize
+from quantgate.tasks.speed.options import sized_kv_cache
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.prompts import make_prompts
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
@@ -37,6 +39,7 @@ class _Served:
     peak_memory_bytes: int | None
     nvml_peak_bytes: int | None
     log: Path
+    window: dict[str, Any]  # its time with the GPU alone (launch.GpuWindow.details)
 
 
 def serve_scenario(
@@ -59,27 +62,38 @@ def serve_scenario(
     opts, result, early = preflight("vllm", model_path, scenario_name, scenario, options)
     if early is not None:
         return early, []
+    opts = sized_kv_cache(opts, model_path, [scenario])
     sizes = scenario.load_sizes()
     prompts = make_prompts(scenario.model_copy(update={"num_prompts": max(n for *_, n in sizes)}), model_path)
     slo = Slo(**scenario.slo.model_dump()) if scenario.slo else None
     work = Path(work_dir)
     deadline = time.monotonic() + timeout_s
 
+    def serve(used: EngineOptions, log: Path) -> ServerHandle:
+        return start_server(model_path, port=free_port(), extra_args=serve_engine_args(used, extra_args), env=env,
+                            log_path=log, ready_timeout_s=max(1.0, deadline - time.monotonic()))
+
+    def measure(server: ServerHandle, window: launch.GpuWindow, log: Path) -> _Served:
+        """The loads, with the GPU alone, and the server stopped before it is given back; the time waited for the
+        GPU is not the loads' (the deadline moves by it)."""
+        try:
+            # The memory of the server's process group: idle engines of other jobs may hold some of the GPU.
+            with Telemetry("cuda", group=server.pid) as telemetry:
+                loads = drive_loads(server, scenario, sizes, prompts, telemetry, deadline + window.waited_s)
+            return _Served(loads, telemetry.peak_memory_bytes, telemetry.nvml_peak_bytes, log, window.details())
+        finally:
+            server.stop()
+
     def start(used: EngineOptions, tried: int) -> _Served | Failure:
         log = work / f"serve-{scenario_name}-{tried}.log"
         try:
-            with Telemetry("cuda") as telemetry:
-                server = start_server(
-                    model_path,
-                    port=free_port(),
-                    extra_args=serve_engine_args(used, extra_args),
-                    env=env,
-                    log_path=log,
-                    ready_timeout_s=max(1.0, deadline - time.monotonic()),
-                )
-                with server:
-                    loads = drive_loads(server, scenario, sizes, prompts, telemetry, deadline)
-                return _Served(loads, telemetry.peak_memory_bytes, telemetry.nvml_peak_bytes, log)
+            if tried:  # after running out of memory: started with the GPU alone, nothing else loading
+                with launch.measuring() as window, serve(used, log) as server:
+                    return measure(server, window, log)
+            with launch.sharing():
+                server = serve(used, log)
+            with server, launch.measuring() as window:
+                return measure(server, window, log)
         except ServingError as e:
             return Failure(str(e), log)
 
@@ -106,7 +120,7 @@ def serve_scenario(
     out_tokens = sum(r.output_tokens for r in ok)
     kv_tokens = kv_cache_tokens_from_log(log)
     config = text_config(model_path)
-    details = {"best_load": best["load"], "log": str(log), "engine_starts": tried.engine_starts}
+    details = {"best_load": best["load"], "log": str(log), "engine_starts": tried.engine_starts, **served.window}
     if extra_args or env:
         details["serve_args"] = list(extra_args)
         details["serve_env"] = dict(env or {})

@@ -28,12 +28,16 @@ def moot_point(point: dict[str, Any], scenario: ScenarioSpec, defaults: SpeedRes
     When the defaults' KV cache holds every request of the highest load at once, nothing is preempted or
     queued for cache room: an FP8 KV cache only adds room nobody needs, and a lower max_num_seqs can only
     queue requests the defaults ran at once, which lowers goodput unless the defaults missed the SLO somewhere
-    (a smaller batch decodes each sequence faster). A cap at or above the highest concurrency changes nothing.
+    (a smaller batch decodes each sequence faster). A cap at or above the highest concurrency changes nothing,
+    and neither does forcing the kernel the defaults chose for every layer (their log names it).
     """
-    if defaults.status != "ok" or not defaults.kv_cache_tokens:
+    if defaults.status != "ok":
         return None
-    sizes = scenario.load_sizes()
-    in_flight = max(n if rate is not None else min(c or n, n) for _, c, rate, n in sizes)
+    if "kernel" in point and set(point) == {"kernel"} and defaults.details.get("kernel") == point["kernel"]:
+        return f"vLLM's defaults already ran every mixed-precision layer with {point['kernel']}"
+    if not defaults.kv_cache_tokens:
+        return None
+    in_flight = scenario.most_in_flight()
     demand = in_flight * (scenario.input_len + scenario.output_len)
     kv_whole = defaults.kv_cache_tokens >= demand
     room = f"the defaults' KV cache ({defaults.kv_cache_tokens:,} tokens) held the highest load whole ({demand:,})"

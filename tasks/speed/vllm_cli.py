@@ -133,16 +133,18 @@ _KERNEL = re.compile(r"Using (\w+LinearKernel)\b")
 
 
 def kernel_from_log(path: str | Path) -> str | None:
-    match = _KERNEL.search(read_log(Path(path)))
-    return match.group(1) if match else None
+    """The mixed-precision linear kernels vLLM chose, in the order its log names them, joined by "+" (layers of one
+    checkpoint may get different ones); None when it names none."""
+    found = dict.fromkeys(_KERNEL.findall(read_log(Path(path))))
+    return "+".join(found) or None
 
 
 _KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 
 
 def compile_cache_from_log(path: str | Path) -> str | None:
-    """How an engine start got its torch.compile artifacts: "loaded" from the compile cache (a warm-up, or an
-    earlier start of the same configuration, compiled them), "compiled" at start, or None (eager, or no log)."""
+    """How an engine start got its torch.compile artifacts: "loaded" from the compile cache (an earlier start
+    of the same configuration compiled them), "compiled" at start, or None (eager, or no log)."""
     text = read_log(path)
     if "Directly load AOT compilation" in text or "Directly load the compiled graph" in text:
         return "loaded"

@@ -1,0 +1,162 @@
+"""The GPU clock on a CPU: unmeasured work shares the GPU, a measurement has it alone. Real threads and real
+spawned processes (tasks/launch.in_process_group) whose "load" and "measurement" are timed sleeps written to
+files; what they would do on a GPU is not run here (the device run is benchmarks/gpu/run_reference.sh, whose
+speed rows carry the same windows)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from quantgate.catalog.schema import ScenarioSpec
+from quantgate.tasks import launch
+from quantgate.tasks.engines import EngineOptions
+from quantgate.tasks.speed.options import SIZED_GPU_MEMORY_UTILIZATION, sized_kv_cache
+from quantgate.tasks.speed.retry import fallback_options
+
+
+def _span(clock_cm, log: list, name: str, seconds: float) -> None:
+    with clock_cm():
+        began = time.monotonic()
+        time.sleep(seconds)
+        log.append((name, began, time.monotonic()))
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[1] < b[2] and b[1] < a[2]
+
+
+def test_a_measurement_waits_for_shared_work_and_shared_work_waits_for_it():
+    log: list = []
+    with launch.gpu_clock():
+        import contextvars
+
+        def go(cm, name, seconds, delay=0.0):
+            time.sleep(delay)
+            _span(cm, log, name, seconds)
+
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=args) for args in [
+            (go, launch.sharing, "build", 0.6),
+            (go, launch.sharing, "eval", 0.4),
+            (go, launch.measuring, "measure-a", 0.3, 0.05),
+            (go, launch.measuring, "measure-b", 0.3, 0.05),
+            (go, launch.sharing, "late-eval", 0.2, 0.75),  # asks while a measurement holds the GPU
+        ]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    spans = {name: (name, a, b) for name, a, b in log}
+    shared = [spans["build"], spans["eval"], spans["late-eval"]]
+    measured = [spans["measure-a"], spans["measure-b"]]
+    assert len(log) == 5
+    assert not _overlap(*measured)
+    assert not any(_overlap(m, s) for m in measured for s in shared)
+    assert _overlap(spans["build"], spans["eval"])  # shared work runs side by side
+    # Both measurements asked before the builds ended and waited for them.
+    assert min(m[1] for m in measured) >= spans["build"][2]
+
+
+def test_a_measurement_from_work_that_shares_the_gpu_is_refused_not_deadlocked():
+    with launch.gpu_clock(), launch.sharing():
+        with pytest.raises(launch.LaunchError, match="would wait for itself"):
+            with launch.measuring():
+                pass
+
+
+def test_an_interrupt_wakes_jobs_waiting_for_the_gpu():
+    errors: list[str] = []
+    with launch.gpu_clock():
+        import contextvars
+
+        def wait_alone() -> None:
+            try:
+                with launch.measuring():
+                    pass
+            except launch.LaunchError as e:
+                errors.append(str(e))
+
+        with launch.sharing():
+            t = threading.Thread(target=contextvars.copy_context().run, args=(wait_alone,))
+            t.start()
+            time.sleep(0.2)
+            launch.interrupt_children()
+            t.join(5)
+    assert not t.is_alive()
+    assert errors == ["stopped while waiting for the GPU: the run was interrupted"]
+
+
+def load_then_measure(out: str, load_s: float, measure_s: float) -> float:
+    """An engine's life in its own process: it loads (sharing the GPU), then measures (alone)."""
+    began = time.time()
+    time.sleep(load_s)
+    loaded = time.time()
+    with launch.measuring() as window:
+        start = time.time()
+        time.sleep(measure_s)
+        Path(out).write_text(json.dumps({"load": [began, loaded], "measure": [start, time.time()],
+                                         "waited": window.waited_s}))
+    return window.waited_s
+
+
+def test_engines_load_beside_shared_work_and_measure_one_at_a_time(tmp_path):
+    import contextvars
+
+    answers: dict[str, tuple] = {}
+    shared: list = []
+    with launch.gpu_clock():
+        def engine(name: str) -> None:
+            answers[name] = launch.in_process_group(load_then_measure, (str(tmp_path / f"{name}.json"), 0.2, 0.5), 60)
+
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(engine, n)) for n in ("a", "b")]
+        threads.append(threading.Thread(target=contextvars.copy_context().run,
+                                        args=(_span, launch.sharing, shared, "eval", 3.0)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert [answers[n][0] for n in ("a", "b")] == ["ok", "ok"], answers
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("a", "b"))
+    (_, eval_began, eval_ended), = shared
+    eval_ended_wall = time.time() - (time.monotonic() - eval_ended)
+    # Both loaded while the evaluation ran; each measured after it, and not at the same time as the other.
+    assert a["load"][1] < eval_ended_wall and b["load"][1] < eval_ended_wall
+    assert min(a["measure"][0], b["measure"][0]) >= eval_ended_wall - 0.05
+    assert a["measure"][1] <= b["measure"][0] or b["measure"][1] <= a["measure"][0]
+    # The wait each one had is what the parent measured and sent back.
+    assert min(a["waited"], b["waited"]) > 1.0 and answers["a"][1] == pytest.approx(a["waited"])
+
+
+def test_without_a_clock_a_process_measures_at_once(tmp_path):
+    status, waited = launch.in_process_group(load_then_measure, (str(tmp_path / "x.json"), 0.0, 0.0), 60)
+    assert (status, waited) == ("ok", 0.0)
+
+
+QWEN_1_5B = {"num_attention_heads": 12, "num_key_value_heads": 2, "hidden_size": 1536, "num_hidden_layers": 28}
+
+
+def test_the_kv_cache_is_sized_to_the_scenarios_whole_load(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_1_5B))
+    offline = ScenarioSpec(kind="offline", engines=["vllm"], num_prompts=1000, input_len=256, output_len=128,
+                           max_model_len=1024, device="cuda")
+    latency = offline.model_copy(update={"kind": "latency", "num_prompts": 4, "input_len": 512})
+    serving = ScenarioSpec(kind="serving", engines=["vllm"], num_prompts=64, input_len=256, output_len=128,
+                           concurrency=[8, 64], rounds=2, max_model_len=1024, device="cuda")
+    opts = EngineOptions("cuda", "bfloat16", max_model_len=1024)
+    per_token = 28 * 2 * 2 * 128 * 2  # layers × (K, V) × KV heads × head dim × bf16
+    sized = sized_kv_cache(opts, tmp_path, [offline, latency])
+    # 1,000 sequences of 384 tokens in flight at most, with 25% room; the latency scenario asks less.
+    assert sized.kv_cache_memory_bytes == int(1000 * 384 * per_token * 1.25)
+    assert sized.gpu_memory_utilization == SIZED_GPU_MEMORY_UTILIZATION
+    # Serving: the highest concurrency (64) at full length, over the 1 GiB floor only when it needs more.
+    assert sized_kv_cache(opts, tmp_path, [serving]).kv_cache_memory_bytes == 1 << 30
+    assert serving.most_in_flight() == 64 and latency.most_in_flight() == 1
+    # A scenario that sets its memory share keeps it; a CPU engine has no KV cache to size.
+    assert sized_kv_cache(opts, tmp_path, [offline.model_copy(update={"gpu_memory_utilization": 0.5})]) == opts
+    assert sized_kv_cache(EngineOptions("cpu", "float32"), tmp_path, [offline]).kv_cache_memory_bytes is None
+    # Its retry after running out of memory is the same start, made with the GPU alone.
+    assert fallback_options(sized, "vllm", 384) == [sized, sized]
