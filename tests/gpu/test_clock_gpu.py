@@ -21,7 +21,7 @@ from quantgate.tasks.benchmark import run_scenario
 pytestmark = [pytest.mark.gpu]
 
 SCENARIO = ScenarioSpec(kind="offline", engines=["vllm"], num_prompts=16, input_len=32, output_len=16, warmup=1,
-                        repetitions=2, max_model_len=64, enforce_eager=True, device="cuda")
+                        repetitions=1, max_model_len=64, enforce_eager=True, device="cuda")
 
 
 def _busy_gpu(seconds: float) -> None:

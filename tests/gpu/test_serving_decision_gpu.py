@@ -51,15 +51,15 @@ def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_pa
         store.record_variant(con, "r", base, "base")
         store.record_variant(con, "r", variant, "variant")
 
-    def keep(uid: str, measured: list[dispatch.Measured]) -> None:
+    def keep(uid: str, result: dispatch.JobResult) -> None:
         with store.session(wh) as con:
-            store.record_measured(con, "r", uid, measured)
+            store.record_measured(con, "r", uid, result.measured)
 
     @flow
     def run() -> dict:
         return dispatch.benchmark_all([base, variant], spec, cat, tmp_path / "work", on_variant=keep)
 
-    measured = run()
+    measured = {uid: result.measured for uid, result in run().items()}
     assert [r.scenario for r, _ in measured["copy"]] == ["srv@default", "srv@max_num_seqs=4"]
     (default, default_loads), (lower, lower_loads) = measured["copy"]
     assert default.status == "ok" and len(default_loads) == 2 and default.kv_cache_tokens >= 8 * (32 + 16), default
