@@ -252,18 +252,21 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     early = setup.device == "cuda" and lanes == [None] and gpu_deployment is None
     with launch.gpu_clock(), launch.jobs(launch.ENGINES_PER_GPU if early else 1) as engine_pool:
         speed = _SpeedStage(run, plan, spec, cat, root, engines, remeasure, lanes, engine_pool if early else None)
-        with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda"), shares_gpu=True) as pool:
-            base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
-            if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
-                base_quality.result()
-            builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name],
-                                  cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup, speed.ready)
-                      for name in spec.variants]
-            speed.ready(base)  # after the builds, which start first: the slowest build is the run's critical path
-            base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
-            built = [future.result() for future in builds]
-        variants_ok = [v for v, usable in built if usable]
+        # The unmeasured phase holds a share of the GPU from here to KL's end, so no measurement slips into a gap
+        # between its jobs (on the H200, measurements that did kept KL waiting behind them).
         with launch.sharing():
+            with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda"), shares_gpu=True) as pool:
+                base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
+                if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
+                    base_quality.result()
+                builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name],
+                                      cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup,
+                                      speed.ready)
+                          for name in spec.variants]
+                speed.ready(base)  # after the builds, which start first: the slowest build is the critical path
+                base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
+                built = [future.result() for future in builds]
+            variants_ok = [v for v, usable in built if usable]
             _kl(run, base, variants_ok, suite, setup)
         speed.finish([base, *variants_ok], gpu_deployment)
 

@@ -30,9 +30,11 @@ from quantgate.tasks.errors import one_line
 T = TypeVar("T")
 R = TypeVar("R")
 
-# How many unmeasured jobs may share one GPU at a time. A 1.5B model takes a few GB of an H200's 141, and
-# each lm-eval engine is given a fixed KV cache (tasks/evaluators/lm_eval.py), so four fit with room to spare.
-SHARED_JOBS_PER_GPU = int(os.environ.get("QUANTGATE_SHARED_JOBS_PER_GPU", "4"))
+# How many unmeasured jobs may share one GPU at a time. A 1.5B model takes a few GB of an H200's 141: builds
+# peaked at 1-7 GiB on it, and each lm-eval engine is given a fixed 8 GiB KV cache (tasks/evaluators/lm_eval.py).
+# Six (a base and five variants, each built and evaluated at once) fit beside the engines waiting to measure;
+# with four, the last two builds waited for a slot and were the run's critical path (results/h200/reference3).
+SHARED_JOBS_PER_GPU = int(os.environ.get("QUANTGATE_SHARED_JOBS_PER_GPU", "6"))
 # How many speed jobs may have their engine loaded on one GPU at a time, waiting their turn to measure alone. Each
 # takes a KV cache sized to its scenarios' load (tasks/speed/options.sized_kv_cache): for a 1.5B model 1-14 GB.
 ENGINES_PER_GPU = int(os.environ.get("QUANTGATE_ENGINES_PER_GPU", "12"))
@@ -55,6 +57,23 @@ def lanes_from(gpus: str | None) -> list[str | None]:
 def shared_slots(lanes: Sequence[str | None], on_gpu: bool) -> int:
     """Unmeasured jobs at a time: a few per GPU; one on a CPU, whose cores one job already keeps busy."""
     return max(1, SHARED_JOBS_PER_GPU * len(lanes)) if on_gpu else 1
+
+
+# An engine's start shares the machine with the builds and evaluations the run waits for: at a lower CPU priority
+# (its compile workers too) it takes what they leave. Its measurement runs at normal priority again, which only
+# root may restore, so elsewhere starts keep normal priority.
+START_NICENESS = 10
+
+
+def start_niceness() -> int:
+    """The niceness an engine starts at beside unmeasured work: START_NICENESS where it can be undone (root)."""
+    return START_NICENESS if os.geteuid() == 0 else 0
+
+
+def at_normal_priority(pgid: int = 0) -> None:
+    """Every process of group `pgid` (0: this process's) back at niceness 0, for its measurement."""
+    if start_niceness():
+        os.setpriority(os.PRIO_PGRP, pgid, 0)
 
 
 class GpuClock:
@@ -167,6 +186,7 @@ def measuring() -> Iterator[GpuWindow]:
         answers, go = _GATE
         answers.send(("ready", None))
         waited = go.recv()
+        at_normal_priority()  # the engine core, which inherited the start's niceness, too
         yield GpuWindow(waited, datetime.now(timezone.utc))
         return
     clock = _CLOCK.get()
@@ -410,6 +430,7 @@ def _lead_group(sender: Any, go: Any, fn: Callable[..., Any], args: tuple[Any, .
     # Its own process group, so the parent can also end what the engine started (vLLM's engine core).
     os.setpgrp()
     _GATE = (sender, go)
+    os.nice(start_niceness())
     if log:
         # At the descriptor level, so that processes the engine starts write there too.
         Path(log).parent.mkdir(parents=True, exist_ok=True)

@@ -160,3 +160,19 @@ def test_the_kv_cache_is_sized_to_the_scenarios_whole_load(tmp_path):
     assert sized_kv_cache(EngineOptions("cpu", "float32"), tmp_path, [offline]).kv_cache_memory_bytes is None
     # Its retry after running out of memory is the same start, made with the GPU alone.
     assert fallback_options(sized, "vllm", 384) == [sized, sized]
+
+
+def test_a_server_started_beside_other_work_runs_at_the_niceness_asked(tmp_path):
+    import os
+    import sys
+
+    from quantgate.tasks.speed.processes import spawn_session
+
+    log = tmp_path / "nice.log"
+    proc = spawn_session([sys.executable, "-c", "import os; print(os.nice(0), os.getpgrp() == os.getpid())"], log,
+                         None, niceness=5)
+    proc.wait(30)
+    # nice(1) execs the command: it is the session leader, at its parent's niceness plus 5.
+    assert log.read_text().split() == [str(os.nice(0) + 5), "True"]
+    # Where it could not be undone for the measurement (not root), an engine's start keeps normal priority.
+    assert launch.start_niceness() == (launch.START_NICENESS if os.geteuid() == 0 else 0)

@@ -14,8 +14,12 @@ from pathlib import Path
 from quantgate.tasks.speed.vllm_cli import QUIET_ENV
 
 
-def spawn_session(cmd: Sequence[str], log: Path, env: dict[str, str] | None, append: bool = False) -> subprocess.Popen:
-    """Start `cmd` in its own session (so its whole group can be ended by id), output to `log`."""
+def spawn_session(cmd: Sequence[str], log: Path, env: dict[str, str] | None, append: bool = False,
+                  niceness: int = 0) -> subprocess.Popen:
+    """Start `cmd` in its own session (so its whole group can be ended by id), output to `log`, at `niceness`
+    (through nice(1), which execs the command: the session leader is still the command)."""
+    if niceness:
+        cmd = ["nice", "-n", str(niceness), *cmd]
     with log.open("ab" if append else "wb") as log_file:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,

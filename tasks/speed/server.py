@@ -63,10 +63,12 @@ def start_server(
     log_path: str | Path | None = None,
     ready_timeout_s: float = 900.0,
     command: Sequence[str] | None = None,
+    niceness: int = 0,
 ) -> ServerHandle:
     """Start `vllm serve` (or `command`, for tests) and wait until GET /health answers 200.
 
-    `env` is added to the current environment. The log (stdout and stderr) goes to `log_path`.
+    `env` is added to the current environment. The log (stdout and stderr) goes to `log_path`. `niceness`: the
+    server's CPU priority, its children's too (launch.at_normal_priority restores it).
     On a timeout or an early exit the process group is ended and ServingError names the log's tail.
     """
     cmd = (
@@ -80,7 +82,7 @@ def start_server(
         raise ServingError(f"port {port} on {host} is already in use; pick another (free_port() finds one)")
     log = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-serve-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = spawn_session(cmd, log, env, append=True)
+    proc = spawn_session(cmd, log, env, append=True, niceness=niceness)
     handle = ServerHandle(
         pid=proc.pid,
         base_url=f"http://{host}:{port}",

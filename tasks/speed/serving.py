@@ -69,13 +69,14 @@ def serve_scenario(
     work = Path(work_dir)
     deadline = time.monotonic() + timeout_s
 
-    def serve(used: EngineOptions, log: Path) -> ServerHandle:
+    def serve(used: EngineOptions, log: Path, niceness: int = 0) -> ServerHandle:
         return start_server(model_path, port=free_port(), extra_args=serve_engine_args(used, extra_args), env=env,
-                            log_path=log, ready_timeout_s=max(1.0, deadline - time.monotonic()))
+                            log_path=log, ready_timeout_s=max(1.0, deadline - time.monotonic()), niceness=niceness)
 
     def measure(server: ServerHandle, window: launch.GpuWindow, log: Path) -> _Served:
         """The loads, with the GPU alone, and the server stopped before it is given back; the time waited for the
         GPU is not the loads' (the deadline moves by it)."""
+        launch.at_normal_priority(server.pid)
         try:
             # The memory of the server's process group: idle engines of other jobs may hold some of the GPU.
             with Telemetry("cuda", group=server.pid) as telemetry:
@@ -90,8 +91,8 @@ def serve_scenario(
             if tried:  # after running out of memory: started with the GPU alone, nothing else loading
                 with launch.measuring() as window, serve(used, log) as server:
                     return measure(server, window, log)
-            with launch.sharing():
-                server = serve(used, log)
+            with launch.sharing():  # beside unmeasured work, at its lower CPU priority
+                server = serve(used, log, launch.start_niceness())
             with server, launch.measuring() as window:
                 return measure(server, window, log)
         except ServingError as e:
