@@ -231,7 +231,8 @@ class Measurements:
         log_dir = self.root / SERVING_LOGS / v.name / "+".join(name for name, _ in job.scenarios)
         label = f"{self.spec.id}/{v.name}"
         started = store.now()
-        with tags(f"model:{self.spec.id}", f"variant:{v.name}"):
+        # Checkpoints measure in the order they were given: each one's rows are in before the next one's begin.
+        with tags(f"model:{self.spec.id}", f"variant:{v.name}"), launch.ranked(list(self._variants).index(v.uid)):
             if lane is None:
                 result = measure(v.path or "", job.engine, job.scenarios, log_dir, label)
             else:

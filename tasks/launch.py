@@ -87,6 +87,7 @@ class GpuClock:
         self._sharing = 0
         self._alone = False
         self._aborted: str | None = None
+        self._waiting: list[int] = []  # ranks of the measurements waiting
         self._held = threading.local()  # shares held by the calling thread
 
     def share(self) -> None:
@@ -102,13 +103,20 @@ class GpuClock:
             self._sharing -= 1
             self._cond.notify_all()
 
-    def take(self) -> float:
-        """Wait for the GPU alone and hold it; returns the seconds waited."""
+    def take(self, rank: int = 0) -> float:
+        """Wait for the GPU alone and hold it; returns the seconds waited. Of the measurements waiting, the lowest
+        `rank` goes first (a run's checkpoints in order, so that each one's rows are complete, and stored, before
+        the next one's measurements begin)."""
         if getattr(self._held, "shares", 0):
             raise LaunchError("a measurement asked for the GPU alone from work that shares it: it would wait for itself")
         began = time.monotonic()
         with self._cond:
-            self._cond.wait_for(lambda: (not self._alone and not self._sharing) or self._aborted)
+            self._waiting.append(rank)
+            try:
+                self._cond.wait_for(lambda: (not self._alone and not self._sharing and rank == min(self._waiting))
+                                    or self._aborted)
+            finally:
+                self._waiting.remove(rank)
             self._raise_if_aborted()
             self._alone = True
         return time.monotonic() - began
@@ -143,6 +151,8 @@ class GpuWindow:
 
 
 _CLOCK: contextvars.ContextVar[GpuClock | None] = contextvars.ContextVar("quantgate_gpu_clock", default=None)
+# The rank of what the calling job measures (GpuClock.take): its checkpoint's place in the run.
+_RANK: contextvars.ContextVar[int] = contextvars.ContextVar("quantgate_measure_rank", default=0)
 _CLOCKS: set[GpuClock] = set()
 # In a process started by in_process_group: its pipes to the parent, which holds the clock.
 _GATE: tuple[Any, Any] | None = None
@@ -161,6 +171,16 @@ def gpu_clock() -> Iterator[GpuClock]:
         _CLOCK.reset(token)
         with _SPAWNING:
             _CLOCKS.discard(clock)
+
+
+@contextmanager
+def ranked(rank: int) -> Iterator[None]:
+    """Measurements made inside wait their turn by `rank` (GpuClock.take)."""
+    token = _RANK.set(rank)
+    try:
+        yield
+    finally:
+        _RANK.reset(token)
 
 
 @contextmanager
@@ -190,7 +210,7 @@ def measuring() -> Iterator[GpuWindow]:
         yield GpuWindow(waited, datetime.now(timezone.utc))
         return
     clock = _CLOCK.get()
-    waited = clock.take() if clock is not None else 0.0
+    waited = clock.take(_RANK.get()) if clock is not None else 0.0
     try:
         yield GpuWindow(waited, datetime.now(timezone.utc))
     finally:
@@ -381,7 +401,7 @@ def in_process_group(
     waited = 0.0
     if clock is not None:
         if start_alone:
-            waited, alone = clock.take(), True
+            waited, alone = clock.take(_RANK.get()), True
         else:
             clock.share()
             shared = True
@@ -396,7 +416,7 @@ def in_process_group(
                 clock.unshare()  # type: ignore[union-attr]
                 shared = False
             if clock is not None and not alone:
-                waited, alone = clock.take(), True
+                waited, alone = clock.take(_RANK.get()), True
             go_out.send(waited)
             answer = _answer_within(receiver, proc, max(1.0, timeout_s - (time.monotonic() - began)))
         if answer is None:

@@ -176,3 +176,23 @@ def test_a_server_started_beside_other_work_runs_at_the_niceness_asked(tmp_path)
     assert log.read_text().split() == [str(os.nice(0) + 5), "True"]
     # Where it could not be undone for the measurement (not root), an engine's start keeps normal priority.
     assert launch.start_niceness() == (launch.START_NICENESS if os.geteuid() == 0 else 0)
+
+
+def test_waiting_measurements_go_in_the_order_of_their_checkpoints():
+    import contextvars
+
+    order: list[int] = []
+    with launch.gpu_clock():
+        def measure(rank: int) -> None:
+            with launch.ranked(rank), launch.measuring():
+                order.append(rank)
+                time.sleep(0.05)
+
+        with launch.sharing():  # all three are waiting when the GPU frees
+            threads = [threading.Thread(target=contextvars.copy_context().run, args=(measure, r)) for r in (2, 0, 1)]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join(5)
+    assert order == [0, 1, 2]
