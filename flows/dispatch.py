@@ -168,6 +168,7 @@ class Measurements:
         self._on_variant, self._pool = on_variant, pool
         self._jobs: dict[str, list[SpeedJob]] = {}
         self._variants: dict[str, VariantArtifact] = {}
+        self._rank: dict[str, int] = {}  # the order checkpoints were given in, which their measurements keep
         self._done: dict[SpeedJob, JobResult] = {}
         self._results: dict[str, JobResult] = {}
         self._started: list[Future[None]] = []
@@ -179,8 +180,7 @@ class Measurements:
 
     def start(self, v: VariantArtifact) -> None:
         """`v`'s jobs begin now in the pool."""
-        self._variants[v.uid] = v
-        self._jobs[v.uid] = speed_jobs(v, self.scenarios, self.engines)
+        self._add(v)
         self._started += [self._pool.submit(self._run_job, job, None) for job in self._jobs[v.uid]]  # type: ignore[union-attr]
 
     def run(self, variants: Sequence[VariantArtifact], gpu_deployment: str | None = None,
@@ -190,8 +190,7 @@ class Measurements:
         log = get_run_logger()
         out_dir = self.root / GPU_RESULTS
         for v in variants:
-            self._variants[v.uid] = v
-            self._jobs[v.uid] = speed_jobs(v, self.scenarios, self.engines)
+            self._add(v)
         pending: dict[tuple[str, str, str], str] = {}
         if gpu_deployment:
             for v in variants:
@@ -226,13 +225,19 @@ class Measurements:
             self._finish_if_complete(v)
         return self._results
 
+    def _add(self, v: VariantArtifact) -> None:
+        with self._finishing:
+            self._rank[v.uid] = len(self._rank)
+            self._variants[v.uid] = v
+            self._jobs[v.uid] = speed_jobs(v, self.scenarios, self.engines)
+
     def _run_job(self, job: SpeedJob, lane: str | None) -> None:
         v = job.variant
         log_dir = self.root / SERVING_LOGS / v.name / "+".join(name for name, _ in job.scenarios)
         label = f"{self.spec.id}/{v.name}"
         started = store.now()
         # Checkpoints measure in the order they were given: each one's rows are in before the next one's begin.
-        with tags(f"model:{self.spec.id}", f"variant:{v.name}"), launch.ranked(list(self._variants).index(v.uid)):
+        with tags(f"model:{self.spec.id}", f"variant:{v.name}"), launch.ranked(self._rank[v.uid]):
             if lane is None:
                 result = measure(v.path or "", job.engine, job.scenarios, log_dir, label)
             else:
