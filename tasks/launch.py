@@ -173,6 +173,26 @@ def gpu_clock() -> Iterator[GpuClock]:
             _CLOCKS.discard(clock)
 
 
+def starts_beside() -> bool:
+    """Whether engines started here share the GPU with other work until they measure (a GPU clock is set)."""
+    return _CLOCK.get() is not None
+
+
+def beside(fn: Callable[..., R], *args: Any) -> Future[R]:
+    """fn(*args) in a thread of its own, now, in a copy of this context (its clock and its rank)."""
+    done: Future[R] = Future()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            done.set_result(context.run(fn, *args))
+        except BaseException as e:  # handed to whoever waits on it
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="quantgate-beside", daemon=True).start()
+    return done
+
+
 @contextmanager
 def ranked(rank: int) -> Iterator[None]:
     """Measurements made inside wait their turn by `rank` (GpuClock.take)."""

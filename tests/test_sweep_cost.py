@@ -175,6 +175,38 @@ def test_forcing_the_kernel_the_defaults_chose_for_every_layer_is_skipped(tmp_pa
             assert "already ran every mixed-precision layer with MarlinLinearKernel" in forced.reason
 
 
+def test_beside_other_work_a_forced_kernel_starts_with_the_defaults(tmp_path):
+    import threading
+    import time
+
+    from quantgate.tasks import launch
+
+    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4],
+                            sweep={"max_num_seqs": [16], "kernel": ["MarlinLinearKernel"]})
+    w4a16 = _checkpoint(tmp_path / "w4a16", _group("int"))
+    spans: dict[str, tuple[float, float]] = {}
+    lock = threading.Lock()
+
+    def serve(model_path, name, sc, *, work_dir, timeout_s, options, extra_args, env):
+        began = time.monotonic()
+        time.sleep(0.3)
+        with lock:
+            spans[name] = (began, time.monotonic())
+        return SpeedResult("vllm", name, "ok", None, {}), []
+
+    with launch.gpu_clock():
+        runs = serve_sweep(w4a16, "sw", scenario, work_dir=tmp_path / "work", timeout_s=300, serve=serve)
+    assert [r.scenario for r, _ in runs] == ["sw@default", "sw@max_num_seqs=16", "sw@kernel=MarlinLinearKernel"]
+    assert all(r.status == "ok" for r, _ in runs)
+    # The kernel point ran beside the defaults; max_num_seqs, which reads the defaults' figures, after them.
+    assert spans["sw@kernel=MarlinLinearKernel"][0] < spans["sw@default"][1]
+    assert spans["sw@max_num_seqs=16"][0] >= spans["sw@default"][1]
+    # Without a clock (nothing shares the GPU) every point runs after the one before it.
+    spans.clear()
+    serve_sweep(w4a16, "sw", scenario, work_dir=tmp_path / "work2", timeout_s=300, serve=serve)
+    assert spans["sw@kernel=MarlinLinearKernel"][0] >= spans["sw@max_num_seqs=16"][1]
+
+
 # --- the views ---------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from quantgate.catalog.schema import ScenarioSpec, sweep_label
+from quantgate.tasks import launch
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.speed.checkpoint import has_weight_only_int_layers
 from quantgate.tasks.speed.client import ServingLoad
@@ -80,8 +81,10 @@ def serve_sweep(
 ) -> list[tuple[SpeedResult, list[ServingLoad]]]:
     """Every point of the scenario's sweep as its own serving run (vLLM's defaults first), each named
     `<scenario>@<point>` with config.sweep = {scenario, point, settings, min_gain_pct}. Points the time does
-    not reach, and forced kernels on a checkpoint that has no layer for them, get a skipped row. `on_point`
-    gets each point as soon as it is done, so that a sweep cut short keeps the points it finished."""
+    not reach, and forced kernels on a checkpoint that has no layer for them, get a skipped row, and so do points
+    that cannot change the outcome on the defaults' figures (`moot_point`), except a forced kernel started beside
+    the defaults (with a GPU clock), which is measured. `on_point` gets each point as soon as it is done, so that
+    a sweep cut short keeps the points it finished."""
     if scenario.sweep is None:
         raise ServingError(f"scenario {scenario_name!r} has no sweep")
     serve = serve or serve_scenario
@@ -90,11 +93,28 @@ def serve_sweep(
     weight_only = has_weight_only_int_layers(model_path)
     runs = [point_applies(point, weight_only) for point in points]
     deadline = clock() + timeout_s
+
+    def run_point(i: int, point: dict[str, Any], budget: float) -> tuple[SpeedResult, list[ServingLoad]]:
+        overrides, args, env = sweep_settings(point)
+        return serve(model_path, sweep_row_name(scenario_name, point), plain, work_dir=Path(work_dir) / f"point{i:02d}",
+                     timeout_s=budget, options={**(options or {}), **overrides}, extra_args=args, env=env)
+
+    # Where engines start beside other work (a GPU clock), a forced kernel that applies starts with the defaults:
+    # whether it runs depends on nothing they measure, so its start overlaps the unmeasured work instead of
+    # holding up the measurements after it.
+    ahead = {i: launch.beside(run_point, i, point, timeout_s) for i, point in enumerate(points)
+             if i and runs[i] and set(point) == {"kernel"} and launch.starts_beside()}
     out: list[tuple[SpeedResult, list[ServingLoad]]] = []
     for i, point in enumerate(points):
         name = sweep_row_name(scenario_name, point)
         tag = {"scenario": scenario_name, "point": sweep_label(point), "settings": point,
                "min_gain_pct": scenario.sweep.min_gain_pct}
+        if i in ahead:
+            result, loads = ahead[i].result()
+            out.append((dataclasses.replace(result, config={**result.config, "sweep": tag}), loads))
+            if on_point:
+                on_point(*out[-1])
+            continue
         remaining = deadline - clock()
         skip = None
         if remaining <= 1:
@@ -111,14 +131,11 @@ def serve_sweep(
             if on_point:
                 on_point(*out[-1])
             continue
-        overrides, args, env = sweep_settings(point)
         # A point may use what is left beyond a minimum kept for each later one (the first start compiles and
         # is the slowest), and never less than an even share.
-        left = sum(runs[i:])
+        left = sum(r for j, r in enumerate(runs[i:], i) if j not in ahead)
         budget = max(remaining / left, remaining - (left - 1) * min_point_s)
-        result, loads = serve(model_path, name, plain, work_dir=Path(work_dir) / f"point{i:02d}",
-                              timeout_s=budget, options={**(options or {}), **overrides},
-                              extra_args=args, env=env)
+        result, loads = run_point(i, point, budget)
         out.append((dataclasses.replace(result, config={**result.config, "sweep": tag}), loads))
         if on_point:
             on_point(*out[-1])
