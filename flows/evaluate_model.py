@@ -249,7 +249,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # On one GPU each checkpoint's engines start as soon as it is built, beside the builds and evaluations, and
     # measure when the GPU is theirs alone (tasks/launch.GpuClock): the run waits for an engine start only where
     # nothing else is left to do. Elsewhere (a CPU, several lanes, a GPU pool) the benchmarks follow KL.
-    early = setup.device == "cuda" and lanes == [None] and gpu_deployment is None
+    early = starts_engines_early(setup, lanes, gpu_deployment)
     with launch.gpu_clock(), launch.jobs(launch.ENGINES_PER_GPU if early else 1) as engine_pool:
         speed = _SpeedStage(run, plan, spec, cat, root, engines, remeasure, lanes, engine_pool if early else None)
         # The unmeasured phase holds a share of the GPU from here to KL's end, so no measurement slips into a gap
@@ -275,6 +275,13 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         log.info("%s", d.reason)
     progress.finish()
     return model.sha
+
+
+def starts_engines_early(setup: EvalSetup, lanes: list[str | None], gpu_deployment: str | None) -> bool:
+    """Whether speed jobs start as checkpoints are built, beside the unmeasured work: on one GPU of this machine.
+    A CPU runs one job at a time anyway, and with several lanes or a GPU pool the unmeasured work is not on the
+    GPU a measurement takes, so there the benchmarks follow KL."""
+    return setup.device == "cuda" and lanes == [None] and gpu_deployment is None
 
 
 def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArtifact:
