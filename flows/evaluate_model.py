@@ -252,10 +252,10 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     early = starts_engines_early(setup, lanes, gpu_deployment)
     with launch.gpu_clock(), launch.jobs(launch.ENGINES_PER_GPU if early else 1) as engine_pool:
         speed = _SpeedStage(run, plan, spec, cat, root, engines, remeasure, lanes, engine_pool if early else None)
-        # The unmeasured phase holds a share of the GPU from here to KL's end, so no measurement slips into a gap
-        # between its jobs (on the H200, measurements that did kept KL waiting behind them).
+        # The unmeasured phase, its jobs and KL, holds a share of the GPU from here to KL's end, so no measurement
+        # slips into a gap between its jobs (on the H200, measurements that did kept KL waiting behind them).
         with launch.sharing():
-            with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda"), shares_gpu=True) as pool:
+            with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
                 base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
                 if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
                     base_quality.result()
@@ -406,7 +406,7 @@ class _SpeedStage:
         self.measurements = dispatch.Measurements(spec, cat, root, engines, self._store, lanes, pool)
         self.started: dict[str, VariantArtifact] = {}
         self.takers: dict[str, list[VariantArtifact]] = {}
-        self.stored: set[str] = set()
+        self.sources: dict[str, tuple[str, str] | None] = {}
         self.lock = threading.Lock()
 
     def ready(self, v: VariantArtifact) -> None:
@@ -440,7 +440,8 @@ class _SpeedStage:
                 todo.append(v)
             else:
                 with self.lock:
-                    later = measurer.uid not in self.stored and not self.run.is_done("benchmark", measurer.uid)
+                    # `_store` marks the measurer done before it takes the lock to hand its rows to the takers.
+                    later = not self.run.is_done("benchmark", measurer.uid)
                     if later:
                         self.takers.setdefault(measurer.uid, []).append(v)
                 if not later:
@@ -450,7 +451,10 @@ class _SpeedStage:
         self.measurements.run(todo, gpu_deployment)
 
     def _source(self, v: VariantArtifact) -> tuple[str, str] | None:
-        return self.run.read(lambda con: store.speed_source(con, self.plan.key(v)))
+        """The run and checkpoint whose stored rows have `v`'s speed key, read once per checkpoint."""
+        if v.uid not in self.sources:
+            self.sources[v.uid] = self.run.read(lambda con: store.speed_source(con, self.plan.key(v)))
+        return self.sources[v.uid]
 
     def _store(self, uid: str, result: dispatch.JobResult) -> None:
         v = self.measurements.variant(uid)
@@ -458,7 +462,6 @@ class _SpeedStage:
             store.record_measured(commit.con, self.run.run_id, uid, result.measured)
             store.link_speed(commit.con, self.run.run_id, uid, self.plan.key(v))
         with self.lock:
-            self.stored.add(uid)
             takers = self.takers.pop(uid, [])
         for taker in takers:
             _take_speed(self.run, taker, v, self.plan.key(taker))

@@ -315,15 +315,12 @@ def _answer(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
 class Jobs:
     """Jobs, up to `slots` at a time, each in a copy of the caller's context (Prefect then sees its task runs
     inside the flow run). With one slot a job runs at once in the caller's thread, so that a signal interrupts
-    it where it is (a CPU runs one job at a time anyway). `shares_gpu`: each job is unmeasured work (`sharing`)."""
+    it where it is (a CPU runs one job at a time anyway)."""
 
-    def __init__(self, slots: int, shares_gpu: bool = False) -> None:
+    def __init__(self, slots: int) -> None:
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="quantgate-job") if slots > 1 else None
-        self._shares = shares_gpu
 
     def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
-        if self._shares:
-            fn, args = _shared, (fn, *args)
         if self._pool is not None:
             return submit(self._pool, fn, *args)
         done: Future[R] = Future()
@@ -334,17 +331,12 @@ class Jobs:
         return done
 
 
-def _shared(fn: Callable[..., R], *args: Any) -> R:
-    with sharing():
-        return fn(*args)
-
-
 @contextmanager
-def jobs(slots: int, shares_gpu: bool = False) -> Iterator[Jobs]:
+def jobs(slots: int) -> Iterator[Jobs]:
     """A `Jobs` pool. On an exception (an interrupt included) nothing queued starts, what runs in child
     processes is interrupted, and it is raised at once: the caller's cleanup ends the processes the jobs wait
     on, and with them the jobs."""
-    pool = Jobs(max(1, slots), shares_gpu)
+    pool = Jobs(max(1, slots))
     try:
         yield pool
     except BaseException:

@@ -18,7 +18,6 @@ from quantgate.tasks import launch
 from quantgate.tasks.engines import EngineOptions
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.speed.errors import ServingError
-from quantgate.tasks.speed.options import sized_kv_cache
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.processes import end_group, group_alive, log_tail, spawn_session
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
@@ -99,8 +98,6 @@ def bench_scenario(
         return early
     if (why := bench_mismatch(scenario)) is not None:
         return result("skipped", why, opts)
-    # The KV cache our engine session of the same scenario gets: the cross-check compares one config.
-    opts = sized_kv_cache(opts, model_path, [scenario])
     deadline = time.monotonic() + timeout_s
 
     def start(used: EngineOptions, tried: int) -> dict[str, Any] | Failure:

@@ -1,5 +1,5 @@
-"""What a run on a vLLM process (`vllm serve`, `vllm bench`) settles before it starts one: its engine options,
-the builder of its result rows, and the row when it cannot run at all."""
+"""What a run on a vLLM process (`vllm serve`, `vllm bench`) settles before it starts one: its engine options (the
+KV cache sized to the scenario's load), the builder of its result rows, and the row when it cannot run at all."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks import engines
 from quantgate.tasks.engines import EngineOptions
 from quantgate.tasks.records import SpeedResult
-from quantgate.tasks.speed.options import engine_options, wants_random_weights
+from quantgate.tasks.speed.options import engine_options, sized_kv_cache, wants_random_weights
 
 
 def preflight(
@@ -35,5 +35,6 @@ def preflight(
     if descriptor(model_path) is not None:
         why = "a load-time (bitsandbytes) variant is measured by the offline engines only, not with vllm serve/bench"
         return opts, result, result("skipped", why, opts)
-    return opts, result, None
+    # The KV cache an engine session of the same scenario gets (run_scenarios): the cross-check compares one config.
+    return sized_kv_cache(opts, model_path, [scenario]), result, None
 

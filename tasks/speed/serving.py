@@ -20,7 +20,6 @@ from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.client import RequestRecord, ServingLoad, run_load
 from quantgate.tasks.speed.errors import ServingError
 from quantgate.tasks.speed.metrics import Slo, summarize
-from quantgate.tasks.speed.options import sized_kv_cache
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.prompts import make_prompts
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
@@ -62,7 +61,6 @@ def serve_scenario(
     opts, result, early = preflight("vllm", model_path, scenario_name, scenario, options)
     if early is not None:
         return early, []
-    opts = sized_kv_cache(opts, model_path, [scenario])
     sizes = scenario.load_sizes()
     prompts = make_prompts(scenario.model_copy(update={"num_prompts": max(n for *_, n in sizes)}), model_path)
     slo = Slo(**scenario.slo.model_dump()) if scenario.slo else None
