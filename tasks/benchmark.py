@@ -258,7 +258,8 @@ def _measure_group(
     # GPU memory of this process group (the engine and vLLM's engine core): other jobs may share the GPU.
     with Telemetry(opts.device, group=os.getpgrp()) as telemetry:
         engine.load(model_path, opts)
-        with launch.measuring() as window:
+        # Loaded: no NVML polling while it waits for the GPU or measures (Telemetry.still says why).
+        with telemetry.still(), launch.measuring() as window:
             try:
                 for scenario, sets in zip(scenarios, prompt_sets, strict=True):
                     began = datetime.now(timezone.utc)

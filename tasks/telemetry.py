@@ -10,7 +10,13 @@ import os
 import platform
 import resource
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+
+DEVICE_INTERVAL_S = 0.01
+GROUP_INTERVAL_S = 0.5
 
 
 class Telemetry:
@@ -20,18 +26,27 @@ class Telemetry:
     group (an engine and vLLM's engine core, while other jobs may share the GPU); else the device's used memory
     minus what was used when the region began. A group none of whose processes NVML lists (its process ids are
     of another PID namespace) reads None, not another job's memory.
+
+    Inside `still()` nothing is sampled: NVML's process query takes milliseconds under the driver's global lock,
+    which every process on the GPU needs to submit work, so polling it slows whatever runs there (an engine's
+    own measurement, or another's while this one waits for the GPU). Memory is read when a still stretch
+    begins, at each reading of a peak, and when it ends; CUDA's caching allocators keep what a run took, so the
+    reading after the run holds the run's peak.
     """
 
-    def __init__(self, device: str, interval_s: float = 0.01, group: int | None = None) -> None:
+    def __init__(self, device: str, interval_s: float | None = None, group: int | None = None) -> None:
         self.device = device
         self._group = group
         self._group_seen = False
-        self._interval_s = interval_s
+        # The device's used memory is a cheap read (~10 us); a group's is the process query (see the class),
+        # polled gently while an engine loads beside other work, whose GPU submission it would otherwise stall.
+        self._interval_s = interval_s or (GROUP_INTERVAL_S if group is not None else DEVICE_INTERVAL_S)
         self._nvml: Any = None
         self._handle: Any = None
         self._baseline = 0
         self._peak = 0
         self._stop = threading.Event()
+        self._still = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Telemetry:
@@ -54,6 +69,17 @@ class Telemetry:
             self._nvml.nvmlShutdown()
             self._nvml = self._handle = None
 
+    @contextmanager
+    def still(self) -> Iterator[None]:
+        """No sampling inside (see the class); its memory read at both ends."""
+        self._read()
+        self._still.set()
+        try:
+            yield
+        finally:
+            self._still.clear()
+            self._read()
+
     def energy_mj(self) -> int | None:
         """The GPU's energy counter (millijoules since the driver loaded); None on CPU or when unsupported."""
         if self._handle is None:
@@ -66,6 +92,7 @@ class Telemetry:
     @property
     def peak_memory_bytes(self) -> int | None:
         if self.device == "cuda":
+            self._read_if_still()
             seen = self._peak - self._baseline if self._group is None or self._group_seen else 0
             return max(seen, _torch_reserved_peak()) or None
         # ru_maxrss is in KiB on Linux.
@@ -130,9 +157,18 @@ class Telemetry:
             total += int(p.usedGpuMemory or 0)
         return total
 
+    def _read(self) -> None:
+        if self._handle is not None:
+            self._peak = max(self._peak, self._used())
+
+    def _read_if_still(self) -> None:
+        if self._still.is_set():
+            self._read()
+
     def _sample(self) -> None:
         while not self._stop.wait(self._interval_s):
-            self._peak = max(self._peak, self._used())
+            if not self._still.is_set():
+                self._read()
 
 
 def _visible_device(pynvml: Any) -> Any:

@@ -23,7 +23,7 @@ from quantgate.tasks.speed.metrics import Slo, summarize
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.prompts import make_prompts
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
-from quantgate.tasks.speed.server import ServerHandle, free_port, start_server
+from quantgate.tasks.speed.server import ServerHandle, start_server
 from quantgate.tasks.speed.vllm_cli import (
     compile_cache_from_log, kernel_from_log, kv_cache_tokens_from_log, serve_engine_args, vllm_versions,
 )
@@ -68,7 +68,7 @@ def serve_scenario(
     deadline = time.monotonic() + timeout_s
 
     def serve(used: EngineOptions, log: Path, niceness: int = 0) -> ServerHandle:
-        return start_server(model_path, port=free_port(), extra_args=serve_engine_args(used, extra_args), env=env,
+        return start_server(model_path, extra_args=serve_engine_args(used, extra_args), env=env,
                             log_path=log, ready_timeout_s=max(1.0, deadline - time.monotonic()), niceness=niceness)
 
     def measure(server: ServerHandle, window: launch.GpuWindow, log: Path) -> _Served:
@@ -77,7 +77,7 @@ def serve_scenario(
         launch.at_normal_priority(server.pid)
         try:
             # The memory of the server's process group: idle engines of other jobs may hold some of the GPU.
-            with Telemetry("cuda", group=server.pid) as telemetry:
+            with Telemetry("cuda", group=server.pid) as telemetry, telemetry.still():
                 loads = drive_loads(server, scenario, sizes, prompts, telemetry, deadline + window.waited_s)
             return _Served(loads, telemetry.peak_memory_bytes, telemetry.nvml_peak_bytes, log, window.details())
         finally:

@@ -1,0 +1,73 @@
+"""Telemetry's NVML reads, against a stand-in for pynvml that counts its calls: NVML needs an NVIDIA driver, which
+a CPU machine lacks. What this covers is when Telemetry queries NVML (never inside `still()`, where the process
+query would stall every process's GPU submission) and what peak it reports from those reads; that the real NVML
+lists an engine's processes by group is tested on the device (tests/gpu/test_clock_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import types
+from typing import Any
+
+import pytest
+
+from quantgate.tasks.telemetry import GROUP_INTERVAL_S, Telemetry
+
+
+class _StandInNvml(types.ModuleType):
+    """The calls Telemetry makes, answering for one process of this process group whose memory the test sets."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__("pynvml")
+        self.used_by_group = 1 << 30
+        self.process_queries = 0
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return f"gpu{index}"
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        self.process_queries += 1
+        return [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.used_by_group)]
+
+
+@pytest.fixture
+def nvml(monkeypatch: pytest.MonkeyPatch) -> _StandInNvml:
+    stand_in = _StandInNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", stand_in)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    return stand_in
+
+
+def test_a_group_is_not_polled_inside_still_and_its_peak_is_read_at_the_edges(nvml: _StandInNvml) -> None:
+    with Telemetry("cuda", interval_s=0.005, group=os.getpgrp()) as telemetry:
+        time.sleep(0.1)
+        assert nvml.process_queries > 5  # sampled while it loads
+        with telemetry.still():
+            entered = nvml.process_queries
+            nvml.used_by_group = 3 << 30  # what a run takes, and its caching allocator keeps
+            time.sleep(0.1)
+            assert nvml.process_queries == entered  # nothing polled while it waits or measures
+            assert telemetry.peak_memory_bytes == 3 << 30  # a peak asked for is read then
+            assert nvml.process_queries == entered + 1
+        assert nvml.process_queries == entered + 2  # and the stretch's end
+        assert telemetry.nvml_peak_bytes == 3 << 30
+
+
+def test_a_group_is_polled_gently_by_default(nvml: _StandInNvml) -> None:
+    with Telemetry("cuda", group=os.getpgrp()) as telemetry:
+        time.sleep(GROUP_INTERVAL_S / 2)
+        assert nvml.process_queries == 1  # the read on entering, none yet from the thread
+        time.sleep(GROUP_INTERVAL_S)
+        assert 2 <= nvml.process_queries <= 3
+        assert telemetry.nvml_peak_bytes == 1 << 30
