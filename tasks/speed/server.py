@@ -3,6 +3,7 @@ ready once GET /health answers 200, stopped with every process it spawned."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import subprocess
 import tempfile
@@ -55,7 +56,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def start_server(
     model_path: str,
     *,
-    port: int,
+    port: int | None = None,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     host: str = "127.0.0.1",
@@ -67,10 +68,38 @@ def start_server(
 ) -> ServerHandle:
     """Start `vllm serve` (or `command`, for tests) and wait until GET /health answers 200.
 
-    `env` is added to the current environment. The log (stdout and stderr) goes to `log_path`. `niceness`: the
-    server's CPU priority, its children's too (launch.at_normal_priority restores it).
-    On a timeout or an early exit the process group is ended and ServingError names the log's tail.
+    `port`: None picks a free one, and another when the one picked is taken before the server binds it (engines
+    that start beside it bind ephemeral ports of their own, torch.distributed's and ZMQ's), up to PORT_TRIES
+    ports; a port given, which `command` needs, is refused when taken. `env` is added to the current
+    environment. The log (stdout and stderr) goes to `log_path`. `niceness`: the server's CPU priority, its
+    children's too (launch.at_normal_priority restores it). On a timeout or an early exit the process group is
+    ended and ServingError names the log's tail.
     """
+    start = functools.partial(_start_on, model_path=model_path, extra_args=extra_args, env=env, host=host,
+                              served_model_name=served_model_name, log_path=log_path,
+                              ready_timeout_s=ready_timeout_s, command=command, niceness=niceness)
+    if port is not None:
+        return start(port)
+    if command is not None:
+        raise ValueError("start_server: a command of its own needs the port it serves on")
+    for _ in range(PORT_TRIES - 1):
+        try:
+            return start(free_port(host))
+        except PortTaken:
+            continue
+    return start(free_port(host))
+
+
+PORT_TRIES = 5
+
+
+class PortTaken(ServingError):
+    """The server's port was in use, before it started or when it bound it."""
+
+
+def _start_on(port: int, *, model_path: str, extra_args: Sequence[str], env: dict[str, str] | None, host: str,
+              served_model_name: str, log_path: str | Path | None, ready_timeout_s: float,
+              command: Sequence[str] | None, niceness: int) -> ServerHandle:
     cmd = (
         list(command)
         if command is not None
@@ -79,9 +108,10 @@ def start_server(
         )
     )
     if not _port_free(host, port):
-        raise ServingError(f"port {port} on {host} is already in use; pick another (free_port() finds one)")
+        raise PortTaken(f"port {port} on {host} is already in use; pick another (free_port() finds one)")
     log = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-serve-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    written_before = log.stat().st_size if log.exists() else 0
     proc = spawn_session(cmd, log, env, append=True, niceness=niceness)
     handle = ServerHandle(
         pid=proc.pid,
@@ -96,7 +126,8 @@ def start_server(
         while True:
             if proc.poll() is not None:
                 end_group(proc, grace_s=5)  # children it left behind
-                raise ServingError(f"server exited with code {proc.returncode} before it was ready: {log_tail(log)}")
+                error = ServingError if not _said_port_taken(log, written_before) else PortTaken
+                raise error(f"server exited with code {proc.returncode} before it was ready: {log_tail(log)}")
             if _healthy(handle.base_url):
                 return handle
             if time.monotonic() > deadline:
@@ -105,6 +136,14 @@ def start_server(
     except BaseException:  # an interrupt while it starts too: the server must not outlive its caller
         handle.stop(grace_s=5)
         raise
+
+
+def _said_port_taken(log: Path, offset: int) -> bool:
+    """Whether this start's part of the log (from `offset`) says its address was in use (errno 98, as
+    Python's socket and uvicorn word it)."""
+    with log.open("rb") as f:
+        f.seek(offset)
+        return b"address already in use" in f.read().lower()
 
 
 def _port_free(host: str, port: int) -> bool:
