@@ -86,10 +86,11 @@ class _Run:
         self.totals: dict[str, int] = {}
         self._begun: dict[str, int] = {}
 
-    def enter(self, stage: str, label: str = "") -> None:
-        """The run begins an item of a stage (for the live view and for an interrupt's reason)."""
+    def enter(self, stage: str, item: str = "", label: str = "") -> None:
+        """The run begins an item of a stage (for the live view and for an interrupt's reason); its stage mark
+        ends it."""
         self._begun[stage] = k = self._begun.get(stage, 0) + 1
-        progress.enter(stage, label, k, max(k, self.totals.get(stage, 1)))
+        progress.begin(stage, item, label, k, max(k, self.totals.get(stage, 1)))
 
     def is_done(self, stage: str, item: str = "") -> bool:
         return (stage, item) in self.done
@@ -110,6 +111,7 @@ class _Run:
                              engine_starts)
             faults.point(f"write:{stage}")
         self.done[(stage, item)] = commit.detail
+        progress.end(stage, item)
 
     def step(self, stage: str, item: str, *, stored: Callable[[Any], T | None], compute: Callable[[], T],
              write: Callable[[Any, T, bool], str | None], starts: Callable[[T], int] = lambda _: 0,
@@ -122,9 +124,13 @@ class _Run:
         found = self.read(stored)
         if found is not None and self.is_done(stage, item):
             return found
-        self.enter(stage, label)
+        self.enter(stage, item, label)
         started = store.now()
-        value = found if found is not None else compute()
+        try:
+            value = found if found is not None else compute()
+        except BaseException:
+            progress.end(stage, item, completed=False)
+            raise
         with self.stage(stage, item, None, started, 0 if found is not None else starts(value)) as commit:
             commit.detail = write(commit.con, value, found is not None)
         return value
@@ -237,7 +243,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     log = get_run_logger()
     # vLLM's compile cache in the work dir: every engine start of the same shape, in any run, reuses it.
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm-cache"))
-    run.totals = {"quantize": len(spec.variants), "evaluate": 1 + len(spec.variants)}
+    run.totals = {"quantize": len(spec.variants), "evaluate": 1 + len(spec.variants), "kl": len(spec.variants),
+                  "benchmark": 1 + len(spec.variants)}
     model = _download(run, spec, root, cat)
     base = base_variant(model)
     suite = cat.suites[spec.suite]
@@ -383,8 +390,9 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
     stored = {v.uid for v in todo if run.read(lambda con, v=v: store.has_quality(con, v.uid, key))}
     started = store.now()
     missing = {v.uid: v.path for v in todo if v.uid not in stored}
-    if missing:
-        run.enter("kl", f"{len(missing)} variant(s)")
+    for v in todo:
+        if v.uid in missing:
+            run.enter("kl", v.uid, v.name)
     reports = kl_reports_task(base.path, missing, kl_text, device=setup.device, dtype=setup.dtype) if missing else {}
     first = next(iter(reports), None)
     for v in todo:
@@ -416,7 +424,7 @@ class _SpeedStage:
         if not self.remeasure and self._source(v) is not None:
             return  # an earlier run measured the key: linked in `finish`
         self.started[v.uid] = v
-        self.run.enter("benchmark", v.name)
+        self.run.enter("benchmark", v.uid, v.name)
         self.measurements.start(v)
 
     def finish(self, checkpoints: list[VariantArtifact], gpu_deployment: str | None) -> None:
@@ -446,8 +454,8 @@ class _SpeedStage:
                         self.takers.setdefault(measurer.uid, []).append(v)
                 if not later:
                     _take_speed(self.run, v, measurer, key)
-        if todo:
-            self.run.enter("benchmark", ", ".join(v.name for v in todo))
+        for v in todo:
+            self.run.enter("benchmark", v.uid, v.name)
         self.measurements.run(todo, gpu_deployment)
 
     def _source(self, v: VariantArtifact) -> tuple[str, str] | None:
@@ -485,7 +493,7 @@ def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> 
 
     if run.is_done("decide"):
         return []
-    run.enter("decide", spec.id)
+    run.enter("decide", "", spec.id)
     started = store.now()
     with run.stage("decide", started=started) as commit:
         decisions = compute(commit.con)

@@ -27,9 +27,9 @@ GRACE_S = 10.0
 class Interrupted(BaseException):
     """The run got SIGINT or SIGTERM; the message is the run row's error."""
 
-    def __init__(self, signum: int, stage: str) -> None:
-        self.signum, self.stage = signum, stage
-        super().__init__(f"interrupted ({signal.Signals(signum).name}) during {stage}")
+    def __init__(self, signum: int, stages: str) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted ({signal.Signals(signum).name}) during {stages}")
 
     @property
     def exit_code(self) -> int:
@@ -49,7 +49,7 @@ def exit_code(e: BaseException) -> int | None:
 
 @contextlib.contextmanager
 def guard() -> Iterator[None]:
-    """Turn SIGINT/SIGTERM into `Interrupted` naming the current stage; on the way out, end the processes
+    """Turn SIGINT/SIGTERM into `Interrupted` naming the stages in flight; on the way out, end the processes
     started inside and still running. Only in the main thread (elsewhere signals cannot be handled)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -62,8 +62,7 @@ def guard() -> Iterator[None]:
         if fired:  # already unwinding: a second Ctrl-C must not cut the cleanup short
             return
         fired.append(signum)
-        step = progress.current()
-        raise Interrupted(signum, step.stage if step else "startup")
+        raise Interrupted(signum, ", ".join(progress.stages()) or "startup")
 
     previous = {s: signal.signal(s, handle) for s in SIGNALS}
     try:

@@ -1,8 +1,11 @@
-"""The stage a run is at: a small record the flow updates as it enters each step, read by the live view
-and by the interrupt handler (never parsed from logs)."""
+"""The steps a run has in flight: small records the flow updates as each item of a stage begins and as its stage
+mark is stored, read by the live view and by the interrupt handler (never parsed from logs). Stages overlap (a
+build beside an evaluation beside an engine's measurement), so a step ends by its own mark, not by the next
+step's beginning."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,38 +25,59 @@ class Step:
         return f"{self.stage}{where} ({self.index}/{self.total})"
 
 
-Listener = Callable[[Step | None, Step | None], None]  # (finished step or None, next step or None)
-_current: Step | None = None
+Listener = Callable[[Step | None, Step | None], None]  # (step just completed or None, latest step in flight)
+_in_flight: dict[tuple[str, str], Step] = {}  # by (stage, item), in the order begun
 _listeners: list[Listener] = []
+_lock = threading.Lock()
 
 
 def current() -> Step | None:
-    return _current
+    """The latest step begun of those in flight."""
+    with _lock:
+        return next(reversed(_in_flight.values()), None)
 
 
-def enter(stage: str, checkpoint: str = "", index: int = 1, total: int = 1) -> None:
-    """The run starts this step; the previous one is complete."""
-    _move(Step(stage, checkpoint, index, total))
+def stages() -> list[str]:
+    """The stages in flight, each once, in the order their first step in flight began."""
+    with _lock:
+        return list(dict.fromkeys(step.stage for step in _in_flight.values()))
+
+
+def begin(stage: str, item: str, checkpoint: str = "", index: int = 1, total: int = 1) -> None:
+    """Item `item` of `stage` begins; it is in flight until `end`."""
+    with _lock:
+        _in_flight[(stage, item)] = Step(stage, checkpoint, index, total)
+    _tell(None)
+
+
+def end(stage: str, item: str, completed: bool = True) -> None:
+    """Item `item` of `stage` is over: completed (its mark is stored), or not (it failed); an item never begun
+    (reused as it was stored) is no step."""
+    with _lock:
+        step = _in_flight.pop((stage, item), None)
+    if step is not None:
+        _tell(step if completed else None)
 
 
 def finish() -> None:
-    """The run's last step is complete."""
-    _move(None)
+    """The run is over: nothing is in flight."""
+    with _lock:
+        _in_flight.clear()
+    _tell(None)
 
 
-def _move(step: Step | None) -> None:
-    global _current
-    done, _current = _current, step
+def _tell(done: Step | None) -> None:
+    latest = current()
     for listener in _listeners:
-        listener(done, step)
+        listener(done, latest)
 
 
 @contextmanager
 def listening(listener: Listener) -> Iterator[None]:
-    global _current
     _listeners.append(listener)
     try:
         yield
     finally:
         _listeners.remove(listener)
-        _current = None
+        with _lock:
+            _in_flight.clear()
