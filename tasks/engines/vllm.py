@@ -72,8 +72,10 @@ class VllmEngine:
         params = SamplingParams(
             max_tokens=max_new_tokens,
             # min_tokens masks EOS out of the logits like transformers' min_new_tokens, so greedy picks
-            # the same tokens in both engines; ignore_eos alone would let EOS be chosen and carried on.
-            min_tokens=max_new_tokens if ignore_eos else 0,
+            # the same tokens in both engines; ignore_eos alone would let EOS be chosen and carried on. Sampled
+            # runs are held against `vllm bench throughput`, whose sampler has no such mask (one more logits
+            # processor each step), and their lengths are fixed by ignore_eos alone.
+            min_tokens=max_new_tokens if ignore_eos and temperature == 0 else 0,
             ignore_eos=ignore_eos,
             temperature=temperature,
             top_p=1.0,
