@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 import yaml
 from packaging.version import InvalidVersion, Version
 from pydantic import (
-    BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator,
+    BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator,
 )
 
 CATALOG_DIR = Path(__file__).resolve().parent
@@ -419,20 +419,14 @@ def sweep_label(point: dict[str, Any]) -> str:
     return ",".join(f"{k}={point[k]}" for k in sorted(point)) or "default"
 
 
-class ScenarioSpec(Strict):
-    """A speed workload. Same prompts and output lengths for every engine (EOS ignored).
+class ScenarioBase(Strict):
+    """What every speed workload has: the same prompts and output lengths for every engine (EOS ignored), the
+    engines, and the levers of the engine they start. A scenario is one of the kinds below (`ScenarioSpec`)."""
 
-    offline: all prompts as fast as possible (vLLM takes them in one call and schedules them itself;
-    Transformers runs static batches of batch_size). latency: one request at a time. serving: a
-    `vllm serve` process driven at each `concurrency` (closed loop) and each Poisson `request_rates`.
-    """
-
-    kind: Literal["offline", "latency", "serving"] = "offline"
     engines: tuple[EngineName, ...] = ("transformers", "vllm")
     num_prompts: int = Field(default=8, ge=1)
     input_len: int = Field(default=64, ge=1)
     output_len: int = Field(default=32, ge=2)
-    batch_size: int = Field(default=8, ge=1)
     prompts_file: str | None = None
     warmup: int = Field(default=1, ge=0)
     repetitions: int = Field(default=3, ge=1)
@@ -457,14 +451,6 @@ class ScenarioSpec(Strict):
     max_cudagraph_capture_size: int | None = Field(default=None, ge=1)
     # dummy: speed only, random weights (a checkpoint folder without weight files is initialised randomly).
     weights: Literal["real", "dummy"] = "real"
-    # serving only: each concurrency level sends `rounds` x level prompts (num_prompts when rounds is
-    # unset); each request rate sends num_prompts.
-    concurrency: tuple[Annotated[int, Field(ge=1)], ...] = ()
-    request_rates: tuple[Annotated[float, Field(gt=0)], ...] = ()
-    rounds: int | None = Field(default=None, ge=1)
-    slo: SloSpec | None = None
-    # serving only: run the scenario once per point of a sweep of vLLM settings (each a normal serving run).
-    sweep: SweepSpec | None = None
     # Measured on the base checkpoint only: a check of the harness (e.g. the vllm-bench cross-check), not a
     # figure any variant is judged by.
     base_only: bool = False
@@ -486,18 +472,7 @@ class ScenarioSpec(Strict):
         return {"method": v} if isinstance(v, str) else v
 
     @model_validator(mode="after")
-    def _consistent(self) -> ScenarioSpec:
-        serving_only = {"concurrency": self.concurrency, "request_rates": self.request_rates,
-                        "rounds": self.rounds, "slo": self.slo, "sweep": self.sweep}
-        if self.sweep is not None and self.enforce_eager and self.sweep.enforce_eager:
-            raise ValueError("a sweep over enforce_eager needs the scenario's enforce_eager false (vLLM's default)")
-        if self.kind == "serving":
-            if not (self.concurrency or self.request_rates):
-                raise ValueError("a serving scenario needs concurrency levels or request_rates")
-            if tuple(self.engines) != ("vllm",):
-                raise ValueError(f"a serving scenario runs on vllm alone (engines: [vllm]), got {list(self.engines)}")
-        elif set_fields := [k for k, v in serving_only.items() if v]:
-            raise ValueError(f"{', '.join(set_fields)} apply to kind 'serving' only, not {self.kind!r}")
+    def _consistent(self) -> ScenarioBase:
         if self.shared_prefix_len >= self.input_len:
             raise ValueError(
                 f"shared_prefix_len {self.shared_prefix_len} must be shorter than input_len {self.input_len}"
@@ -507,8 +482,6 @@ class ScenarioSpec(Strict):
             raise ValueError(f"max_model_len {self.max_model_len} is below input_len + output_len ({needed})")
         if stray := [e for e in self.base_only_engines if e not in self.engines]:
             raise ValueError(f"base_only_engines {stray} are not among the scenario's engines {list(self.engines)}")
-        if "vllm-bench" in self.engines and self.kind != "offline":
-            raise ValueError(f"vllm-bench measures offline throughput; kind {self.kind!r} has no bench")
         if self.transformers_compile and "transformers" not in self.engines:
             raise ValueError("transformers_compile needs the transformers engine in engines")
         for lever, on in (("speculative", self.speculative), ("tensor_parallel_size", self.tensor_parallel_size > 1)):
@@ -520,6 +493,58 @@ class ScenarioSpec(Strict):
     def model_len(self) -> int:
         return self.max_model_len or self.input_len + self.output_len
 
+
+class OfflineScenario(ScenarioBase):
+    """All prompts as fast as possible: vLLM takes them in one call and schedules them itself (as `vllm bench
+    throughput` does, which cross-checks it), Transformers runs static batches of batch_size."""
+
+    kind: Literal["offline"] = "offline"
+    batch_size: int = Field(default=8, ge=1)
+
+    def most_in_flight(self) -> int:
+        """The most sequences the scenario may have in flight at once: all of a pass."""
+        return self.num_prompts
+
+
+class LatencyScenario(ScenarioBase):
+    """One request at a time."""
+
+    kind: Literal["latency"] = "latency"
+
+    @model_validator(mode="after")
+    def _no_bench(self) -> LatencyScenario:
+        if "vllm-bench" in self.engines:
+            raise ValueError("vllm-bench measures offline throughput; kind 'latency' has no bench")
+        return self
+
+    def most_in_flight(self) -> int:
+        return 1
+
+
+class ServingScenario(ScenarioBase):
+    """A `vllm serve` process driven at each `concurrency` (closed loop) and each Poisson `request_rates`."""
+
+    kind: Literal["serving"] = "serving"
+    engines: tuple[EngineName, ...] = ("vllm",)
+    # Each concurrency level sends `rounds` x level prompts (num_prompts when rounds is unset); each request
+    # rate sends num_prompts.
+    concurrency: tuple[Annotated[int, Field(ge=1)], ...] = ()
+    request_rates: tuple[Annotated[float, Field(gt=0)], ...] = ()
+    rounds: int | None = Field(default=None, ge=1)
+    slo: SloSpec | None = None
+    # The scenario run once per point of a sweep of vLLM settings (each a plain serving run).
+    sweep: SweepSpec | None = None
+
+    @model_validator(mode="after")
+    def _served(self) -> ServingScenario:
+        if not (self.concurrency or self.request_rates):
+            raise ValueError("a serving scenario needs concurrency levels or request_rates")
+        if tuple(self.engines) != ("vllm",):
+            raise ValueError(f"a serving scenario runs on vllm alone (engines: [vllm]), got {list(self.engines)}")
+        if self.sweep is not None and self.enforce_eager and self.sweep.enforce_eager:
+            raise ValueError("a sweep over enforce_eager needs the scenario's enforce_eager false (vLLM's default)")
+        return self
+
     def load_sizes(self) -> list[tuple[str, int | None, float | None, int]]:
         """Serving loads in order: (label, max_concurrency, request_rate, number of prompts)."""
         loads: list[tuple[str, int | None, float | None, int]] = [
@@ -529,11 +554,28 @@ class ScenarioSpec(Strict):
         return loads
 
     def most_in_flight(self) -> int:
-        """The most sequences the scenario may have in flight at once: all of an offline pass, one at a time
-        for latency, a serving load's concurrency (a rate: every prompt of it, at worst)."""
-        if self.kind == "serving":
-            return max(n if rate is not None else min(c or n, n) for _, c, rate, n in self.load_sizes())
-        return 1 if self.kind == "latency" else self.num_prompts
+        """A load's concurrency at most (a rate: every prompt of it, at worst)."""
+        return max(n if rate is not None else min(c or n, n) for _, c, rate, n in self.load_sizes())
+
+
+def _scenario_kind(value: object) -> str | None:
+    # A mapping without `kind` is an offline scenario, as before scenarios had kinds of their own fields.
+    if isinstance(value, dict):
+        return value.get("kind", "offline")
+    return getattr(value, "kind", None)
+
+
+ScenarioSpec = Annotated[
+    Annotated[OfflineScenario, Tag("offline")] | Annotated[LatencyScenario, Tag("latency")]
+    | Annotated[ServingScenario, Tag("serving")],
+    Discriminator(_scenario_kind),
+]
+_SCENARIOS: TypeAdapter[ScenarioSpec] = TypeAdapter(ScenarioSpec)
+
+
+def scenario_from(data: Any) -> ScenarioSpec:
+    """The scenario of its kind that a mapping (or a scenario) describes, validated."""
+    return _SCENARIOS.validate_python(data)
 
 
 class ShapeSpec(Strict):
@@ -605,7 +647,8 @@ class GpuSuiteSpec(Strict):
                 engine = step.engine.removesuffix("-bench").removesuffix("-serve")
                 if engine not in s.engines:
                     raise ValueError(f"steps.{i}: scenario {name!r} does not list engine {engine!r}")
-            if any(self.scenarios[n].sweep for n in step.scenarios) and step.engine != "vllm-serve":
+            sweeps = [n for n in step.scenarios if isinstance(self.scenarios[n], ServingScenario) and self.scenarios[n].sweep]
+            if sweeps and step.engine != "vllm-serve":
                 raise ValueError(f"steps.{i}: a sweep scenario runs on engine vllm-serve")
             if step.engine in ("vllm-bench", "vllm-serve") and len(step.scenarios) != 1:
                 raise ValueError(f"steps.{i}: a {step.engine} step takes exactly one scenario")

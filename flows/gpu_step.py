@@ -19,7 +19,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import scenario_from
 from quantgate.flows.dispatch import SERVING_LOGS, measure
 from quantgate.tasks.speed.serving import measured_to_dict
 from quantgate.tasks.files import write_atomic
@@ -59,7 +59,7 @@ def gpu_step(model_path: str, engine: str, scenario_name: str, scenario: dict[st
     """Measure `engine` on `scenario` for the checkpoint at `model_path`; the result goes to out_dir."""
     from prefect.concurrency.sync import concurrency
 
-    spec = ScenarioSpec.model_validate(scenario)
+    spec = scenario_from(scenario)
     slot = slot_name()
     ensure_limit(slot)
     get_run_logger().info("waiting for GPU slot %s", slot)

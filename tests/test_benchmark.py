@@ -6,14 +6,14 @@ import pytest
 from tests.shared_data import TINY_MODEL
 import torch
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import LatencyScenario, OfflineScenario
 from quantgate.tasks.benchmark import run_scenario
 from quantgate.tasks.speed.errors import BenchmarkError
 from quantgate.tasks.speed.prompts import make_prompts
 from quantgate.tasks.engines import EngineOptions, create
 
 TINY = TINY_MODEL
-SMALL = ScenarioSpec(num_prompts=4, input_len=16, output_len=8, batch_size=4, warmup=1, repetitions=3, device="cpu")
+SMALL = OfflineScenario(num_prompts=4, input_len=16, output_len=8, batch_size=4, warmup=1, repetitions=3, device="cpu")
 LINES = ["Once upon a time", "Tom was a small boy who loved trucks. He had a blue truck and a yellow truck.", "Mia"]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
 
@@ -55,7 +55,8 @@ def test_transformers_in_spawned_process_measures_exact_fixed_length_output():
 
 
 def test_latency_scenario_times_each_request_alone():
-    scenario = SMALL.model_copy(update={"kind": "latency", "num_prompts": 3, "repetitions": 1, "warmup": 0})
+    scenario = LatencyScenario(**{**SMALL.model_dump(exclude={"kind", "batch_size"}), "num_prompts": 3, "repetitions": 1,
+                                  "warmup": 0})
     r = run_scenario(str(TINY), "transformers", "lat", scenario, isolate=False)
 
     assert r.status == "ok", r.reason

@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import ServingScenario
 from quantgate.tasks.endpoint import Target, _name_and_version, endpoint_prompts, scrub
 from quantgate.tasks.speed.server import free_port, start_server
 from quantgate.warehouse import store
@@ -129,7 +129,7 @@ def test_cli_benchmarks_a_real_server_into_the_warehouse(transformers_server, tm
 
 
 def test_prompts_without_a_tokenizer_are_seeded_words():
-    scenario = ScenarioSpec(kind="serving", engines=["vllm"], input_len=12, output_len=4, concurrency=[1],
+    scenario = ServingScenario(engines=["vllm"], input_len=12, output_len=4, concurrency=[1],
                             shared_prefix_len=5, seed=3)
     target = Target(url="http://h:1", model="m")
     a, b = endpoint_prompts(target, scenario, 3), endpoint_prompts(target, scenario, 3)

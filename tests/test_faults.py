@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import OfflineScenario
 from quantgate.tasks import engines
 from quantgate.tasks.benchmark import run_scenarios
 from quantgate.tasks.engines import EngineOptions
@@ -52,7 +52,7 @@ def test_vllm_out_of_memory_is_retried_with_less_memory_then_a_shorter_context(t
     monkeypatch.setitem(engines.ENGINES, "vllm", f"{__name__}:OutOfMemoryUntilSmall")
     monkeypatch.setattr(engines, "availability", lambda engine, device: None)
     OutOfMemoryUntilSmall.starts = []
-    scenario = ScenarioSpec(kind="offline", engines=["transformers", "vllm"], device="cpu", num_prompts=2, input_len=8,
+    scenario = OfflineScenario(engines=["transformers", "vllm"], device="cpu", num_prompts=2, input_len=8,
                             output_len=4, batch_size=2, repetitions=1, warmup=0, max_model_len=4096,
                             gpu_memory_utilization=0.8)
     [result] = run_scenarios(str(tiny_model), "vllm", [("tiny", scenario)], isolate=False)
@@ -79,7 +79,7 @@ def test_a_failure_that_is_not_out_of_memory_is_not_retried(tiny_model, monkeypa
     monkeypatch.setattr(sys.modules[__name__], "Broken", Broken, raising=False)
     monkeypatch.setitem(engines.ENGINES, "vllm", f"{__name__}:Broken")
     monkeypatch.setattr(engines, "availability", lambda engine, device: None)
-    scenario = ScenarioSpec(kind="offline", engines=["transformers", "vllm"], device="cpu", num_prompts=2, input_len=8,
+    scenario = OfflineScenario(engines=["transformers", "vllm"], device="cpu", num_prompts=2, input_len=8,
                             output_len=4, batch_size=2, repetitions=1, warmup=0, max_model_len=4096)
     [result] = run_scenarios(str(tiny_model), "vllm", [("tiny", scenario)], isolate=False)
     assert result.status == "failed" and result.reason == "ValueError: unknown quantization method 'foo'"

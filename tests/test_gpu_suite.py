@@ -15,7 +15,7 @@ import yaml
 from prefect.testing.utilities import prefect_test_harness
 
 from tests.shapes import TINY_QWEN
-from quantgate.catalog.schema import ScenarioSpec, SuiteStep, load_gpu_suite
+from quantgate.catalog.schema import OfflineScenario, ServingScenario, SuiteStep, load_gpu_suite
 from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps, select_steps
 from quantgate.tasks.launch import LaunchError, on_gpus
 from quantgate.tasks.benchmark import run_scenarios
@@ -152,7 +152,7 @@ def test_out_of_memory_starts_are_retried_with_less():
 
 
 def test_shared_prefix_prompts_share_the_prefix_and_change_tails_per_pass(tiny_model):
-    scenario = ScenarioSpec(num_prompts=3, input_len=12, output_len=4, shared_prefix_len=8, device="cpu")
+    scenario = OfflineScenario(num_prompts=3, input_len=12, output_len=4, shared_prefix_len=8, device="cpu")
     sets = make_prompt_sets(scenario, str(tiny_model), 3)
 
     prefixes = {tuple(p[:8]) for s in sets for p in s}
@@ -164,7 +164,7 @@ def test_shared_prefix_prompts_share_the_prefix_and_change_tails_per_pass(tiny_m
 
 
 def test_vllm_flags_match_the_offline_engine_options():
-    s = ScenarioSpec(engines=["vllm"], speculative="ngram", enforce_eager=True, max_model_len=512,
+    s = OfflineScenario(engines=["vllm"], speculative="ngram", enforce_eager=True, max_model_len=512,
                      max_cudagraph_capture_size=128, weights="dummy")
     args = vllm_cli_args(engine_options(s, "cuda", dummy_weights=True))
 
@@ -176,7 +176,7 @@ def test_vllm_flags_match_the_offline_engine_options():
     assert "--enforce-eager" in args and "--no-enable-prefix-caching" in args and "--seed" not in args
     assert value("--speculative-config") == (
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}')
-    on = vllm_cli_args(engine_options(ScenarioSpec(enable_prefix_caching=True), "cuda"))
+    on = vllm_cli_args(engine_options(OfflineScenario(enable_prefix_caching=True), "cuda"))
     assert "--enable-prefix-caching" in on and "--load-format" not in on and "--enforce-eager" not in on
 
 
@@ -198,10 +198,10 @@ def test_transformers_builds_dummy_weights_and_static_cache_gives_the_same_token
 
 
 def test_scenarios_sharing_a_process_must_agree_on_engine_options(tiny_model):
-    a = ScenarioSpec(device="cpu")
+    a = OfflineScenario(device="cpu")
     with pytest.raises(BenchmarkError, match="'a' and 'b' need different engine options"):
         run_scenarios(str(tiny_model), "transformers", [("a", a), ("b", a.model_copy(update={"enforce_eager": True}))])
-    served = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[1])
+    served = ServingScenario(engines=["vllm"], concurrency=[1])
     with pytest.raises(BenchmarkError, match="'s' is a serving scenario: run it with tasks.speed.serving.serve_scenario"):
         run_scenarios(str(tiny_model), "vllm", [("s", served)])
 
@@ -215,7 +215,7 @@ def _tiny_suite(tmp_path: Path) -> Path:
     cpu = {"kind": "offline", "engines": ["transformers"], "device": "cpu", "weights": "dummy", "num_prompts": 2,
            "input_len": 8, "output_len": 4, "batch_size": 2, "warmup": 0, "repetitions": 1}
     suite["scenarios"]["cpu-offline"] = cpu
-    suite["scenarios"]["cpu-latency"] = {**cpu, "kind": "latency"}
+    suite["scenarios"]["cpu-latency"] = {**{k: v for k, v in cpu.items() if k != "batch_size"}, "kind": "latency"}
     suite["steps"] = [
         {"part": "cpu", "engine": "transformers", "build": "bf16", "scenarios": ["cpu-offline", "cpu-latency"]},
         {"part": "cpu", "engine": "transformers", "build": "w4a16-g32", "scenarios": ["cpu-offline"]},

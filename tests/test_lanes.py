@@ -32,7 +32,7 @@ def catalog(tmp: Path) -> Path:
           short: {{kind: offline, engines: [transformers], device: cpu, num_prompts: 2, input_len: 8, output_len: 4,
                   batch_size: 2, repetitions: 1, warmup: 0, max_model_len: 40}}
           long: {{kind: latency, engines: [transformers], device: cpu, num_prompts: 2, input_len: 16, output_len: 24,
-                 batch_size: 1, repetitions: 1, warmup: 1, max_model_len: 40}}
+                 repetitions: 1, warmup: 1, max_model_len: 40}}
         models:
           - id: tiny
             source: {{kind: local, path: {TINY_MODEL}}}

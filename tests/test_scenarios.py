@@ -9,9 +9,11 @@ from pydantic import ValidationError
 from quantgate.catalog.schema import (
     CATALOG_DIR,
     CatalogError,
-    ScenarioSpec,
+    OfflineScenario,
+    ServingScenario,
     SpeculativeSpec,
     load_gpu_suite,
+    scenario_from,
 )
 from quantgate.flows.gpu_suite import GpuSuiteError, check_steps
 from quantgate.tasks.speed.options import engine_options
@@ -19,25 +21,30 @@ from quantgate.tasks.speed.options import engine_options
 
 def _error(**fields) -> str:
     with pytest.raises(ValidationError) as info:
-        ScenarioSpec(**fields)
+        scenario_from(fields)
     return info.value.errors()[0]["msg"]
 
 
 def test_serving_scenario_lists_its_loads_in_order():
-    s = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[1, 8], request_rates=[4, 0.5], rounds=3,
+    s = ServingScenario(engines=["vllm"], concurrency=[1, 8], request_rates=[4, 0.5], rounds=3,
                      num_prompts=10, slo={"ttft_ms": 500, "tpot_ms": 50})
 
     assert s.load_sizes() == [("c=1", 1, None, 3), ("c=8", 8, None, 24), ("rate=4", None, 4.0, 10),
                               ("rate=0.5", None, 0.5, 10)]
-    assert ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[2], num_prompts=7).load_sizes() == [
+    assert ServingScenario(engines=["vllm"], concurrency=[2], num_prompts=7).load_sizes() == [
         ("c=2", 2, None, 7)]
     assert s.slo.ttft_ms == 500 and s.slo.e2el_ms is None
 
 
 def test_inconsistent_scenarios_are_refused_with_a_reason():
     assert "needs concurrency levels or request_rates" in _error(kind="serving", engines=["vllm"])
-    assert "runs on vllm alone" in _error(kind="serving", concurrency=[1])
-    assert "apply to kind 'serving' only" in _error(kind="offline", concurrency=[1], slo={"ttft_ms": 1})
+    assert "runs on vllm alone" in _error(kind="serving", engines=["transformers", "vllm"], concurrency=[1])
+    assert scenario_from({"kind": "serving", "concurrency": [1]}).engines == ("vllm",)  # its one engine, unsaid
+    with pytest.raises(ValidationError) as info:  # a field of another kind is not one of this kind's
+        scenario_from({"kind": "offline", "concurrency": [1]})
+    assert [(e["loc"], e["type"]) for e in info.value.errors()] == [(("offline", "concurrency"), "extra_forbidden")]
+    assert "has no bench" in _error(kind="latency", engines=["vllm", "vllm-bench"])
+    assert scenario_from({"input_len": 8}).kind == "offline"  # a scenario without a kind is offline, as before
     assert "shared_prefix_len 64 must be shorter than input_len 64" in _error(input_len=64, shared_prefix_len=64)
     assert "max_model_len 90 is below input_len + output_len (96)" in _error(max_model_len=90)
     assert "transformers_compile needs the transformers engine" in _error(engines=["vllm"], transformers_compile=True)
@@ -48,7 +55,7 @@ def test_inconsistent_scenarios_are_refused_with_a_reason():
 
 
 def test_levers_become_engine_options():
-    s = ScenarioSpec(engines=["vllm"], speculative="ngram", enforce_eager=True, enable_prefix_caching=True,
+    s = OfflineScenario(engines=["vllm"], speculative="ngram", enforce_eager=True, enable_prefix_caching=True,
                      max_model_len=1024, gpu_memory_utilization=0.5, max_cudagraph_capture_size=64)
     opts = engine_options(s, "cuda", dummy_weights=True)
 
@@ -59,7 +66,7 @@ def test_levers_become_engine_options():
     assert (opts.max_model_len, opts.gpu_memory_utilization, opts.max_cudagraph_capture_size) == (1024, 0.5, 64)
     assert opts.dtype == "bfloat16" and not opts.compile
     # Unset: the defaults, and max_model_len just fits the scenario.
-    plain = engine_options(ScenarioSpec(input_len=10, output_len=6), "cpu")
+    plain = engine_options(OfflineScenario(input_len=10, output_len=6), "cpu")
     assert (plain.max_model_len, plain.gpu_memory_utilization, plain.speculative_config) == (16, 0.8, None)
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import ServingScenario
 from quantgate.tasks.speed.metrics import Slo
 from quantgate.tasks.speed.server import free_port, start_server
 from quantgate.tasks.speed.serving import drive_loads
@@ -50,7 +50,7 @@ _SERVER = textwrap.dedent(
 
 
 def test_loads_run_in_order_and_land_in_the_views(tmp_path):
-    scenario = ScenarioSpec(kind="serving", engines=["vllm"], device="cpu", input_len=8, output_len=4,
+    scenario = ServingScenario(engines=["vllm"], device="cpu", input_len=8, output_len=4,
                             concurrency=[1, 4], rounds=2, request_rates=[50], num_prompts=6, warmup=1,
                             slo={"ttft_ms": 1000, "tpot_ms": 1000})
     sizes = scenario.load_sizes()
@@ -84,7 +84,7 @@ def test_loads_run_in_order_and_land_in_the_views(tmp_path):
 
 
 def test_loads_stop_when_the_time_is_up(tmp_path):
-    scenario = ScenarioSpec(kind="serving", engines=["vllm"], device="cpu", concurrency=[1], request_rates=[math.pi])
+    scenario = ServingScenario(engines=["vllm"], device="cpu", concurrency=[1], request_rates=[math.pi])
     with Telemetry("cpu") as telemetry:
         # No server is needed: no load may start once the deadline has passed.
         loads = drive_loads(None, scenario, scenario.load_sizes(), [[1]], telemetry, deadline=time.monotonic() - 1)

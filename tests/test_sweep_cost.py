@@ -13,7 +13,7 @@ from html import unescape
 import pytest
 import yaml
 
-from quantgate.catalog.schema import CatalogError, Policy, ScenarioSpec, SweepSpec, load_gpu_suite, sweep_label
+from quantgate.catalog.schema import CatalogError, Policy, ServingScenario, SweepSpec, load_gpu_suite, sweep_label
 from quantgate.tasks.decide import decide
 from quantgate.tasks.records import SpeedResult, VariantArtifact
 from quantgate.tasks.speed.checkpoint import has_weight_only_int_layers
@@ -62,7 +62,7 @@ def test_a_sweep_is_rejected_outside_serving_steps(tmp_path):
 
 
 def test_the_first_point_may_use_all_but_a_minimum_kept_for_each_later_one(tmp_path):
-    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4], sweep={"max_num_seqs": [16, 32]})
+    scenario = ServingScenario(engines=["vllm"], concurrency=[4], sweep={"max_num_seqs": [16, 32]})
     now = [0.0]
     budgets = []
 
@@ -77,7 +77,7 @@ def test_the_first_point_may_use_all_but_a_minimum_kept_for_each_later_one(tmp_p
 
 
 def test_serve_sweep_runs_every_point_in_order_and_shares_the_time(tmp_path):
-    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4], slo={"ttft_ms": 100},
+    scenario = ServingScenario(engines=["vllm"], concurrency=[4], slo={"ttft_ms": 100},
                             sweep={"max_num_seqs": [16], "kernel": ["MarlinLinearKernel"]})
     now = [0.0]
     calls = []
@@ -118,7 +118,7 @@ def _group(weights_type, activations=None):
 
 
 def test_a_forced_kernel_is_skipped_on_a_checkpoint_without_weight_only_layers(tmp_path):
-    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4],
+    scenario = ServingScenario(engines=["vllm"], concurrency=[4],
                             sweep={"max_num_seqs": [16], "kernel": ["MarlinLinearKernel"]})
     w4a16 = _checkpoint(tmp_path / "w4a16", _group("int"))
     fp8 = _checkpoint(tmp_path / "fp8", _group("float", {"num_bits": 8, "type": "float", "dynamic": True}))
@@ -152,7 +152,7 @@ def test_a_forced_kernel_is_skipped_on_a_checkpoint_without_weight_only_layers(t
 def test_forcing_the_kernel_the_defaults_chose_for_every_layer_is_skipped(tmp_path):
     from quantgate.tasks.speed.vllm_cli import kernel_from_log
 
-    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4], sweep={"kernel": ["MarlinLinearKernel"]})
+    scenario = ServingScenario(engines=["vllm"], concurrency=[4], sweep={"kernel": ["MarlinLinearKernel"]})
     w4a16 = _checkpoint(tmp_path / "w4a16", _group("int"))
     logs = {"marlin": "Using MarlinLinearKernel for CompressedTensorsWNA16\n" * 3,
             "mixed": "Using MarlinLinearKernel for CompressedTensorsWNA16\nUsing MacheteLinearKernel for X\n"}
@@ -181,7 +181,7 @@ def test_beside_other_work_a_forced_kernel_starts_with_the_defaults(tmp_path):
 
     from quantgate.tasks import launch
 
-    scenario = ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[4],
+    scenario = ServingScenario(engines=["vllm"], concurrency=[4],
                             sweep={"max_num_seqs": [16], "kernel": ["MarlinLinearKernel"]})
     w4a16 = _checkpoint(tmp_path / "w4a16", _group("int"))
     spans: dict[str, tuple[float, float]] = {}
@@ -332,11 +332,11 @@ def test_the_slo_attainment_says_which_loads_meet_it(warehouse):
              ServingLoad("c=32", 32, None, _requests(8, 0.05) + _requests(24, 0.5, start=8), 1.0)]
     with store.session(warehouse) as con:
         _serving_row(con, "r1", "w4", "lenient", loads, Slo(ttft_ms=100, attainment=0.25),
-                     {"slo": ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[8], slo={"ttft_ms": 100, "attainment": 0.25}).slo.model_dump()})
+                     {"slo": ServingScenario(engines=["vllm"], concurrency=[8], slo={"ttft_ms": 100, "attainment": 0.25}).slo.model_dump()})
         cost = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM variant_cost WHERE variant_uid = 'w4'")}
     assert cost["lenient"]["slo_load"] == "c=32" and cost["sw@default"]["slo_load"] == "c=8"
     with pytest.raises(ValueError, match="attainment"):
-        ScenarioSpec(kind="serving", engines=["vllm"], concurrency=[8], slo={"ttft_ms": 100, "attainment": 1.5})
+        ServingScenario(engines=["vllm"], concurrency=[8], slo={"ttft_ms": 100, "attainment": 1.5})
 
 
 def test_report_shows_cost_and_the_tuned_config(warehouse):

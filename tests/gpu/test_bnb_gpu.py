@@ -4,7 +4,7 @@ the Transformers benchmark on cuda, vLLM's in-flight NF4, and vLLM skipping int8
 import pytest
 from tests.shared_data import SHARED, TINY_MODEL
 
-from quantgate.catalog.schema import ScenarioSpec, VariantSpec
+from quantgate.catalog.schema import OfflineScenario, VariantSpec
 from quantgate.tasks import quantize
 from quantgate.tasks.benchmark import run_scenario
 from quantgate.tasks.divergence import kl_divergence
@@ -13,7 +13,7 @@ from quantgate.tasks.records import ModelArtifact
 pytestmark = pytest.mark.gpu
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (its wheel is not in the devkit?)")
 
-SCENARIO = ScenarioSpec(num_prompts=8, input_len=32, output_len=16, batch_size=8, warmup=1, repetitions=3,
+SCENARIO = OfflineScenario(num_prompts=8, input_len=32, output_len=16, batch_size=8, warmup=1, repetitions=3,
                         device="cuda")
 TEXT = str(SHARED / "eval" / "simple_stories" / "simple_stories.txt")
 

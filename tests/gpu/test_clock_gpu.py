@@ -14,13 +14,13 @@ from datetime import datetime
 import pytest
 from tests.shared_data import TINY_MODEL
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import OfflineScenario
 from quantgate.tasks import launch
 from quantgate.tasks.benchmark import run_scenario
 
 pytestmark = [pytest.mark.gpu]
 
-SCENARIO = ScenarioSpec(kind="offline", engines=["vllm"], num_prompts=16, input_len=32, output_len=16, warmup=1,
+SCENARIO = OfflineScenario(engines=["vllm"], num_prompts=16, input_len=32, output_len=16, warmup=1,
                         repetitions=1, max_model_len=64, enforce_eager=True, device="cuda")
 
 

@@ -1,13 +1,13 @@
 import pytest
 from tests.shared_data import TINY_MODEL
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import OfflineScenario
 from quantgate.tasks.benchmark import run_scenario
 
 pytestmark = pytest.mark.gpu
 
 TINY = str(TINY_MODEL)
-SCENARIO = ScenarioSpec(
+SCENARIO = OfflineScenario(
     num_prompts=8, input_len=32, output_len=16, batch_size=8, warmup=1, repetitions=3, device="cuda"
 )
 # The tiny model needs almost nothing; a small KV-cache budget keeps vLLM's start quick.

@@ -16,7 +16,7 @@ import torch
 from prefect import flow
 from tests.shared_data import TINY_MODEL
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, Policy, ScenarioSpec, load_catalog
+from quantgate.catalog.schema import DEFAULT_CATALOG, Policy, load_catalog, scenario_from
 from quantgate.flows import dispatch
 from quantgate.tasks.decide import decide
 from quantgate.tasks.records import VariantArtifact
@@ -43,7 +43,7 @@ def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_pa
     shutil.copytree(TINY_MODEL, copy)
     base, variant = _artifact("base", str(TINY_MODEL)), _artifact("copy", str(copy))
     cat = load_catalog(DEFAULT_CATALOG)
-    cat = cat.model_copy(update={"scenarios": {**cat.scenarios, "srv": ScenarioSpec.model_validate(SCENARIO)}})
+    cat = cat.model_copy(update={"scenarios": {**cat.scenarios, "srv": scenario_from(SCENARIO)}})
     spec = cat.model("stories260k").model_copy(update={"scenarios": ("srv",)})
     wh = tmp_path / "w.duckdb"
     with store.session(wh) as con:
