@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from prefect import task
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import OfflineScenario, ScenarioSpec
 from quantgate.tasks import engines, faults, launch
 from quantgate.tasks.engines import Engine, EngineOptions, RequestTiming
 from quantgate.tasks.errors import one_line
@@ -339,10 +339,10 @@ def _workload(engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec) 
     """All prompts once: one at a time ("latency"), or ("offline") all in one call to an engine that
     schedules them itself (as `vllm bench throughput` does), else in static batches of batch_size.
     Each request is timed from the start of its own generate call."""
-    if scenario.kind == "latency":
-        size = 1
-    else:
+    if isinstance(scenario, OfflineScenario):
         size = len(prompts) if engine.continuous_batching else scenario.batch_size
+    else:
+        size = 1
     timings: list[RequestTiming] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), size):

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from quantgate.catalog.schema import EndpointSpec, ScenarioSpec
+from quantgate.catalog.schema import EndpointSpec, ScenarioSpec, ServingScenario
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.speed.client import ServingLoad
 from quantgate.tasks.speed.errors import ServingError
@@ -188,7 +188,7 @@ def bench_endpoint(
     def result(status: str, reason: str | None, **measured: Any) -> SpeedResult:
         return SpeedResult(ENGINE, scenario_name, status, scrub(reason, secret), config, **measured)  # type: ignore[arg-type]
 
-    if scenario.kind != "serving":
+    if not isinstance(scenario, ServingScenario):
         return result("failed", f"scenario {scenario_name!r} is {scenario.kind}; an endpoint runs serving scenarios"), [], {}
     try:
         secret = target.api_key()

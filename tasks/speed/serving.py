@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import ServingScenario
 from quantgate.tasks import launch
 from quantgate.tasks.engines import EngineOptions
 from quantgate.tasks.records import SpeedResult
@@ -44,7 +44,7 @@ class _Served:
 def serve_scenario(
     model_path: str,
     scenario_name: str,
-    scenario: ScenarioSpec,
+    scenario: ServingScenario,
     *,
     work_dir: str | Path,
     timeout_s: float = 900.0,
@@ -156,7 +156,7 @@ def serve_scenario(
 
 def drive_loads(
     server: ServerHandle,
-    scenario: ScenarioSpec,
+    scenario: ServingScenario,
     sizes: list[tuple[str, int | None, float | None, int]],
     prompts: Sequence[list[int] | str],
     telemetry: Telemetry,
@@ -171,7 +171,7 @@ def drive_loads(
 def run_loads(
     base_url: str,
     model: str | None,
-    scenario: ScenarioSpec,
+    scenario: ServingScenario,
     sizes: list[tuple[str, int | None, float | None, int]],
     prompts: Sequence[list[int] | str],
     telemetry: Telemetry | None,

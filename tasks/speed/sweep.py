@@ -13,7 +13,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from quantgate.catalog.schema import ScenarioSpec, sweep_label
+from quantgate.catalog.schema import ServingScenario, sweep_label
 from quantgate.tasks import launch
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.speed.checkpoint import has_weight_only_int_layers
@@ -23,7 +23,7 @@ from quantgate.tasks.speed.serving import serve_scenario
 from quantgate.tasks.speed.vllm_cli import sweep_settings
 
 
-def moot_point(point: dict[str, Any], scenario: ScenarioSpec, defaults: SpeedResult) -> str | None:
+def moot_point(point: dict[str, Any], scenario: ServingScenario, defaults: SpeedResult) -> str | None:
     """Why a sweep point cannot beat vLLM's defaults, as measured at the sweep's first point, or None.
 
     When the defaults' KV cache holds every request of the highest load at once, nothing is preempted or
@@ -69,7 +69,7 @@ def sweep_row_name(scenario_name: str, point: dict[str, Any]) -> str:
 def serve_sweep(
     model_path: str,
     scenario_name: str,
-    scenario: ScenarioSpec,
+    scenario: ServingScenario,
     *,
     work_dir: str | Path,
     timeout_s: float = 900.0,
@@ -145,7 +145,7 @@ def serve_sweep(
 def serve_variant(
     model_path: str,
     scenario_name: str,
-    scenario: ScenarioSpec,
+    scenario: ServingScenario,
     *,
     work_dir: str | Path,
     timeout_s: float = 1800.0,
