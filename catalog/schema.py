@@ -280,17 +280,23 @@ class EvalHoldoutCalibration(CalibrationSize):
     chat: bool = True
 
 
-def _calibration_kind(value: object) -> str | None:
-    # A mapping without `kind` is plain text, as calibration blocks were before there were kinds.
-    if isinstance(value, dict):
-        return value.get("kind", "text")
-    return getattr(value, "kind", None)
+def kind_or(default: str) -> Discriminator:
+    """A union's discriminator: the value's `kind`, or `default` for a mapping without one (blocks written
+    before their kinds existed)."""
+
+    def kind(value: object) -> str | None:
+        if isinstance(value, dict):
+            return value.get("kind", default)
+        return getattr(value, "kind", None)
+
+    return Discriminator(kind)
 
 
+# A mapping without `kind` is plain text, as calibration blocks were before there were kinds.
 CalibrationSpec = Annotated[
     Annotated[TextCalibration, Tag("text")] | Annotated[ChatCalibration, Tag("chat")]
     | Annotated[EvalHoldoutCalibration, Tag("eval_holdout")],
-    Discriminator(_calibration_kind),
+    kind_or("text"),
 ]
 
 
@@ -558,17 +564,11 @@ class ServingScenario(ScenarioBase):
         return max(n if rate is not None else min(c or n, n) for _, c, rate, n in self.load_sizes())
 
 
-def _scenario_kind(value: object) -> str | None:
-    # A mapping without `kind` is an offline scenario, as before scenarios had kinds of their own fields.
-    if isinstance(value, dict):
-        return value.get("kind", "offline")
-    return getattr(value, "kind", None)
-
-
+# A mapping without `kind` is an offline scenario, as before scenarios had kinds of their own fields.
 ScenarioSpec = Annotated[
     Annotated[OfflineScenario, Tag("offline")] | Annotated[LatencyScenario, Tag("latency")]
     | Annotated[ServingScenario, Tag("serving")],
-    Discriminator(_scenario_kind),
+    kind_or("offline"),
 ]
 _SCENARIOS: TypeAdapter[ScenarioSpec] = TypeAdapter(ScenarioSpec)
 
