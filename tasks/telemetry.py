@@ -94,7 +94,10 @@ class Telemetry:
         if self.device == "cuda":
             self._read_if_still()
             seen = self._peak - self._baseline if self._group is None or self._group_seen else 0
-            return max(seen, _torch_reserved_peak()) or None
+            # This process's allocator is the measured work's only where this process is part of it: not for
+            # another group (a server's), whose memory this process's own models and KL would stand in for.
+            own = self._group is None or self._group == os.getpgrp()
+            return max(seen, _torch_reserved_peak() if own else 0) or None
         # ru_maxrss is in KiB on Linux.
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

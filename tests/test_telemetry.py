@@ -6,6 +6,7 @@ lists an engine's processes by group is tested on the device (tests/gpu/test_clo
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import types
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from quantgate.tasks import telemetry as telemetry_module
 from quantgate.tasks.telemetry import GROUP_INTERVAL_S, Telemetry
 
 
@@ -26,6 +28,7 @@ class _StandInNvml(types.ModuleType):
         super().__init__("pynvml")
         self.used_by_group = 1 << 30
         self.process_queries = 0
+        self.pid = os.getpid()
 
     def nvmlInit(self) -> None:
         pass
@@ -38,7 +41,7 @@ class _StandInNvml(types.ModuleType):
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         self.process_queries += 1
-        return [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.used_by_group)]
+        return [types.SimpleNamespace(pid=self.pid, usedGpuMemory=self.used_by_group)]
 
 
 @pytest.fixture
@@ -71,3 +74,20 @@ def test_a_group_is_polled_gently_by_default(nvml: _StandInNvml) -> None:
         time.sleep(GROUP_INTERVAL_S)
         assert 2 <= nvml.process_queries <= 3
         assert telemetry.nvml_peak_bytes == 1 << 30
+
+
+def test_another_groups_memory_is_its_own_not_this_processs_allocator(nvml: _StandInNvml, monkeypatch) -> None:
+    # A server in a session of its own, and this process's allocator holding more than it (models loaded here
+    # before, e.g. for KL): the server's peak is what NVML lists for its group, read while NVML is open.
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        nvml.pid = server.pid
+        monkeypatch.setattr(telemetry_module, "_torch_reserved_peak", lambda: 16 << 30)
+        with Telemetry("cuda", group=server.pid) as telemetry, telemetry.still():
+            assert telemetry.peak_memory_bytes == 1 << 30
+            assert telemetry.nvml_peak_bytes == 1 << 30
+        with Telemetry("cuda", group=os.getpgrp()) as own:  # this process's group: its allocator counts
+            assert own.peak_memory_bytes == 16 << 30
+    finally:
+        server.kill()
+        server.wait()

@@ -77,9 +77,10 @@ def serve_scenario(
         launch.at_normal_priority(server.pid)
         try:
             # The memory of the server's process group: idle engines of other jobs may hold some of the GPU.
+            # Its peaks are read while NVML is open and the server is up.
             with Telemetry("cuda", group=server.pid) as telemetry, telemetry.still():
                 loads = drive_loads(server, scenario, sizes, prompts, telemetry, deadline + window.waited_s)
-            return _Served(loads, telemetry.peak_memory_bytes, telemetry.nvml_peak_bytes, log, window.details())
+                return _Served(loads, telemetry.peak_memory_bytes, telemetry.nvml_peak_bytes, log, window.details())
         finally:
             server.stop()
 
