@@ -35,8 +35,10 @@ start)
     mkdir -p "$job/out"
     tar -cf - --exclude=./.git --exclude=./gpu-out --exclude=./.devkit --exclude=./.gpu-carry/gguf1 --exclude=./.gpu-carry/gguf2 --exclude=./.gpu-carry/bnb --exclude=./.gpu-carry/wheels --exclude=./.gpu-carry/wheels-gguf --exclude=./.venv . | tar -xf - -C "$job" --one-top-level=repo
     printf '%s\n' "$cmd" > "$job/command.txt"
-    (cd "$job/repo" && OUT="$job/out" setsid bash -c 'bash -c "$1"; echo $? > "$2"' _ "$cmd" "$job/rc" \
-        > "$job/console.txt" 2>&1 < /dev/null &)
+    # The whole list is redirected, not only its last command: a backgrounded `cd && cmd > f` keeps the caller's
+    # stdout open until the job ends, so `background.sh start ... | tail` would wait for the job.
+    (cd "$job/repo" && OUT="$job/out" exec setsid bash -c 'bash -c "$1"; echo $? > "$2"' _ "$cmd" "$job/rc") \
+        > "$job/console.txt" 2>&1 < /dev/null &
     echo "background: started $name at $(date -u +%T): $cmd"
     ;;
 wait)
