@@ -361,49 +361,6 @@ def test_vllm_serve_command_binds_loopback_and_names_the_model():
     assert cmd[-2:] == ["--dtype", "bfloat16"]
 
 
-# `vllm bench throughput` cannot run here (no GPU, no vllm): this script writes what vLLM 0.26 writes,
-# the --output-json file and the printed summary line, so the parsing and process handling are tested.
-_FAKE_BENCH = textwrap.dedent(
-    """
-    import json, sys
-    args = sys.argv[1:]
-    assert args[:2] == ["bench", "throughput"], args
-    get = lambda flag: args[args.index(flag) + 1]
-    n, i, o = int(get("--num-prompts")), int(get("--random-input-len")), int(get("--random-output-len"))
-    if get("--model") == "broken":
-        print("ValueError: no such model"); sys.exit(1)
-    elapsed = 2.0
-    json.dump({"elapsed_time": elapsed, "num_requests": n, "total_num_tokens": n * (i + o),
-               "requests_per_second": n / elapsed, "tokens_per_second": n * (i + o) / elapsed},
-              open(get("--output-json"), "w"))
-    print(f"Throughput: {n / elapsed:.2f} requests/s, {n * (i + o) / elapsed:.2f} total tokens/s, "
-          f"{n * o / elapsed:.2f} output tokens/s")
-    """
-)
-
-
-def test_vllm_bench_throughput_reads_json_and_summary_line(tmp_path):
-    cli = [sys.executable, "-c", _FAKE_BENCH]
-    res = vllm_bench_throughput(
-        "/m",
-        input_len=32,
-        output_len=16,
-        num_prompts=10,
-        work_dir=tmp_path,
-        cli=cli,
-        extra_args=["--dtype", "bfloat16"],
-    )
-    assert res["requests_per_s"] == pytest.approx(5.0)
-    assert res["total_tokens_per_s"] == pytest.approx(10 * 48 / 2.0)
-    assert res["output_tokens_per_s"] == pytest.approx(10 * 16 / 2.0)
-    cmd = res["command"]
-    assert cmd[cmd.index("--dataset-name") + 1] == "random"
-    assert cmd[cmd.index("--random-range-ratio") + 1] == "0"
-    assert cmd[-2:] == ["--dtype", "bfloat16"]
-    with pytest.raises(ServingError, match="exit 1.*no such model"):
-        vllm_bench_throughput("broken", input_len=8, output_len=8, num_prompts=1, work_dir=tmp_path, cli=cli)
-
-
 # --- on the device: real `vllm serve` and `vllm bench throughput` on a small dummy checkpoint ----------
 
 _NO_GPU = importlib.util.find_spec("vllm") is None or not torch.cuda.is_available()

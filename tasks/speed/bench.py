@@ -1,9 +1,12 @@
 """`vllm bench throughput`, vLLM's own offline benchmark, run on an offline scenario beside our vLLM figure:
-the harness cross-check (engine "vllm-bench")."""
+the harness cross-check (engine "vllm-bench"). Like every engine it starts beside unmeasured work and runs its
+passes with the GPU alone: its program is held at its first pass until the GPU is its own (bench_gate.py)."""
 
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import time
 from collections.abc import Sequence
@@ -21,8 +24,9 @@ from quantgate.tasks.speed.errors import ServingError
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.processes import end_group, group_alive, log_tail, spawn_session
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
+from quantgate.tasks.speed.bench_gate import GATE_ENV, GO, READY
 from quantgate.tasks.speed.vllm_cli import (
-    VLLM_CLI,
+    BENCH_CLI,
     bench_engine_args,
     bench_throughput_command,
     output_tokens_per_s_from_log,
@@ -32,7 +36,56 @@ from quantgate.tasks.speed.vllm_cli import (
 from quantgate.tasks.telemetry import nvml_device_name
 
 
-def vllm_bench_throughput(
+class StartedBench:
+    """A `vllm bench throughput` whose engine has started and whose first pass waits (tasks/speed/bench_gate.py):
+    `measure()` lets it run its passes and reads its numbers; leaving the block ends its process group."""
+
+    def __init__(self, proc: subprocess.Popen, go_fd: int, cmd: list[str], out_json: Path, log: Path,
+                 num_prompts: int, output_len: int) -> None:
+        self.proc, self._go_fd, self.cmd, self._out_json, self.log = proc, go_fd, cmd, out_json, log
+        self._num_prompts, self._output_len = num_prompts, output_len
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def measure(self, timeout_s: float) -> dict[str, Any]:
+        os.write(self._go_fd, GO)
+        self._close_go()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ServingError(f"vllm bench throughput ran past {timeout_s:.0f}s (log {self.log})") from None
+        if self.proc.returncode != 0 or not self._out_json.exists():
+            raise ServingError(f"vllm bench throughput failed (exit {self.proc.returncode}): {log_tail(self.log)}")
+        data = json.loads(self._out_json.read_text())
+        output_tps = output_tokens_per_s_from_log(read_log(self.log))
+        return {
+            "requests_per_s": data["requests_per_second"],
+            "total_tokens_per_s": data["tokens_per_second"],
+            "output_tokens_per_s": output_tps if output_tps is not None
+            else self._num_prompts * self._output_len / data["elapsed_time"],
+            "elapsed_s": data["elapsed_time"],
+            "num_requests": data["num_requests"],
+            "total_num_tokens": data["total_num_tokens"],
+            "command": self.cmd,
+        }
+
+    def __enter__(self) -> StartedBench:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close_go()  # without its go, a bench still held ends itself
+        if group_alive(self.proc.pid):
+            end_group(self.proc, grace_s=10)
+
+    def _close_go(self) -> None:
+        if self._go_fd >= 0:
+            os.close(self._go_fd)
+            self._go_fd = -1
+
+
+def start_bench(
     model_path: str,
     *,
     input_len: int,
@@ -42,13 +95,14 @@ def vllm_bench_throughput(
     seed: int = 0,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
-    timeout_s: float = 1800.0,
-    cli: Sequence[str] = VLLM_CLI,
-) -> dict[str, Any]:
-    """Run `vllm bench throughput` on the random dataset (EOS ignored, fixed lengths) and return its
-    numbers. vLLM's JSON has requests/s and total (prompt + output) tokens/s; output tokens/s comes
-    from its printed summary line. Engine flags (--dtype, --max-model-len, --load-format dummy ...)
-    go in `extra_args`."""
+    ready_timeout_s: float = 1800.0,
+    niceness: int = 0,
+    cli: Sequence[str] = BENCH_CLI,
+) -> StartedBench:
+    """Start `vllm bench throughput` on the random dataset (EOS ignored, fixed lengths) and return once its
+    engine is up and its first pass waits; a bench that ends or runs out of time before that raises
+    ServingError with its log's tail. Engine flags (--dtype, --max-model-len, --load-format dummy ...) go in
+    `extra_args`."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     out_json = work / "vllm_bench_throughput.json"
@@ -56,28 +110,41 @@ def vllm_bench_throughput(
     out_json.unlink(missing_ok=True)
     cmd = bench_throughput_command(model_path, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
                                    seed=seed, output_json=out_json, extra_args=extra_args, cli=cli)
-    proc = spawn_session(cmd, log, env)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
     try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        end_group(proc, grace_s=10)
-        raise ServingError(f"vllm bench throughput ran past {timeout_s:.0f}s (log {log})") from None
+        proc = spawn_session(cmd, log, {**(env or {}), GATE_ENV: f"{ready_w},{go_r}"}, niceness=niceness,
+                             pass_fds=(ready_w, go_r))
+    except BaseException:
+        for fd in (ready_r, ready_w, go_r, go_w):
+            os.close(fd)
+        raise
+    os.close(ready_w)
+    os.close(go_r)
+    bench = StartedBench(proc, go_w, cmd, out_json, log, num_prompts, output_len)
+    try:
+        readable, _, _ = select.select([ready_r], [], [], max(0.0, ready_timeout_s))
+        said = os.read(ready_r, len(READY)) if readable else None
     finally:
-        if group_alive(proc.pid):
-            end_group(proc, grace_s=10)
-    if proc.returncode != 0 or not out_json.exists():
-        raise ServingError(f"vllm bench throughput failed (exit {proc.returncode}): {log_tail(log)}")
-    data = json.loads(out_json.read_text())
-    output_tps = output_tokens_per_s_from_log(read_log(log))
-    return {
-        "requests_per_s": data["requests_per_second"],
-        "total_tokens_per_s": data["tokens_per_second"],
-        "output_tokens_per_s": output_tps if output_tps is not None else num_prompts * output_len / data["elapsed_time"],
-        "elapsed_s": data["elapsed_time"],
-        "num_requests": data["num_requests"],
-        "total_num_tokens": data["total_num_tokens"],
-        "command": cmd,
-    }
+        os.close(ready_r)
+    if said == READY:
+        return bench
+    with bench:
+        if said is None:
+            raise ServingError(f"vllm bench throughput did not reach its first pass within {ready_timeout_s:.0f}s "
+                               f"(log {log})")
+        proc.wait()
+        raise ServingError(f"vllm bench throughput failed before its first pass (exit {proc.returncode}): "
+                           f"{log_tail(log)}")
+
+
+def vllm_bench_throughput(model_path: str, *, timeout_s: float = 1800.0, **start: Any) -> dict[str, Any]:
+    """`vllm bench throughput` from start to end, its passes right after its start: its numbers (requests/s
+    and total (prompt + output) tokens/s from vLLM's JSON, output tokens/s from its printed summary line) and
+    its command. `start` takes start_bench's keywords."""
+    deadline = time.monotonic() + timeout_s
+    with start_bench(model_path, ready_timeout_s=timeout_s, **start) as bench:
+        return bench.measure(max(1.0, deadline - time.monotonic()))
 
 
 def bench_scenario(
@@ -92,7 +159,8 @@ def bench_scenario(
     """`vllm bench throughput` on an offline scenario's config (same model, lengths, prompt count,
     engine flags, warm-up of one full pass, sampler: the scenario must sample at the bench's fixed
     temperature, else the row is skipped with why), as a SpeedResult of engine "vllm-bench": tokens_per_s is
-    its output tokens/s and total_tokens_per_s its (prompt + output) tokens/s, like ours."""
+    its output tokens/s and total_tokens_per_s its (prompt + output) tokens/s, like ours. Its window with
+    the GPU alone holds its warm-up and timed passes and its teardown, not its start."""
     opts, result, early = preflight("vllm-bench", model_path, scenario_name, scenario, options)
     if early is not None:
         return early
@@ -102,20 +170,27 @@ def bench_scenario(
 
     def start(used: EngineOptions, tried: int) -> dict[str, Any] | Failure:
         bench_dir = Path(work_dir) / f"bench-{scenario_name}-{tried}"
+
+        def begin(niceness: int) -> StartedBench:
+            return start_bench(model_path, input_len=scenario.input_len, output_len=scenario.output_len,
+                               num_prompts=scenario.num_prompts, work_dir=bench_dir, seed=used.seed,
+                               extra_args=bench_engine_args(used, scenario.num_prompts if scenario.warmup else 0),
+                               ready_timeout_s=max(1.0, deadline - time.monotonic()), niceness=niceness)
+
+        def measure(bench: StartedBench, window: launch.GpuWindow) -> dict[str, Any]:
+            launch.at_normal_priority(bench.pid)
+            res = bench.measure(max(1.0, deadline + window.waited_s - time.monotonic()))
+            return {**res, "window": window.details()}
+
         try:
-            # Its start and its measurement are one command: both with the GPU alone.
-            with launch.measuring() as window:
-                res = vllm_bench_throughput(
-                    model_path,
-                    input_len=scenario.input_len,
-                    output_len=scenario.output_len,
-                    num_prompts=scenario.num_prompts,
-                    work_dir=bench_dir,
-                    seed=used.seed,
-                    extra_args=bench_engine_args(used, scenario.num_prompts if scenario.warmup else 0),
-                    timeout_s=max(1.0, deadline + window.waited_s - time.monotonic()),
-                )
-                return {**res, "window": window.details()}
+            if tried:  # after running out of memory: started with the GPU alone, nothing else loading
+                with launch.measuring() as window, begin(0) as bench:
+                    return measure(bench, window)
+            # Its start beside unmeasured work, at its lower CPU priority, like every engine's; its passes alone.
+            with launch.sharing():
+                bench = begin(launch.start_niceness())
+            with bench, launch.measuring() as window:
+                return measure(bench, window)
         except ServingError as e:
             return Failure(str(e), bench_dir / "vllm_bench_throughput.log")
 

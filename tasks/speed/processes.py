@@ -15,15 +15,16 @@ from quantgate.tasks.speed.vllm_cli import QUIET_ENV
 
 
 def spawn_session(cmd: Sequence[str], log: Path, env: dict[str, str] | None, append: bool = False,
-                  niceness: int = 0) -> subprocess.Popen:
+                  niceness: int = 0, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """Start `cmd` in its own session (so its whole group can be ended by id), output to `log`, at `niceness`
-    (through nice(1), which execs the command: the session leader is still the command)."""
+    (through nice(1), which execs the command: the session leader is still the command), with the file
+    descriptors `pass_fds` kept open in it."""
     if niceness:
         cmd = ["nice", "-n", str(niceness), *cmd]
     with log.open("ab" if append else "wb") as log_file:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            env=_environment(env), start_new_session=True,
+            env=_environment(env), start_new_session=True, pass_fds=tuple(pass_fds),
         )
     _note_session(proc.pid)
     return proc

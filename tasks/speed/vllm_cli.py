@@ -18,6 +18,9 @@ from quantgate.tasks.speed.errors import ServingError
 
 # `python -m vllm.entrypoints.cli.main` is what the `vllm` console script runs, without relying on PATH.
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
+# `vllm bench throughput` goes through tasks/speed/bench_gate.py: vLLM's command line with its first pass held
+# until the parent says go, so that its start can share the GPU and its passes have it alone.
+BENCH_CLI = (sys.executable, "-m", "quantgate.tasks.speed.bench_gate")
 # The device has no route to the hubs or to usage collection; fail fast instead of retrying.
 QUIET_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
@@ -182,7 +185,7 @@ def bench_throughput_command(
     seed: int,
     output_json: Path,
     extra_args: Sequence[str] = (),
-    cli: Sequence[str] = VLLM_CLI,
+    cli: Sequence[str] = BENCH_CLI,
 ) -> list[str]:
     """`vllm bench throughput` on the random dataset at fixed lengths (EOS ignored), its numbers to `output_json`."""
     return [
