@@ -119,6 +119,15 @@ class Telemetry:
 
         return torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
 
+    def sm_clock_mhz(self) -> int | None:
+        """The GPU's SM clock now (a cheap device query, not the process list); None without NVML."""
+        if self._handle is None:
+            return None
+        try:
+            return int(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+        except self._nvml.NVMLError:
+            return None
+
     def reset_peaks(self) -> None:
         """Start the peaks afresh from what is in use now, e.g. between scenarios of one process."""
         if self._handle is not None:
@@ -172,6 +181,39 @@ class Telemetry:
         while not self._stop.wait(self._interval_s):
             if not self._still.is_set():
                 self._read()
+
+
+def group_cpu_s(pgid: int | None = None) -> float | None:
+    """CPU seconds (user + system) that the live processes of process group `pgid` (default this process's:
+    an engine and its engine core) have used so far, from /proc; None where there is no /proc."""
+    pgid = os.getpgrp() if pgid is None else pgid
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return None
+    ticks, seen = 0, False
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # After the command's closing parenthesis: state, ppid, pgrp, ..., utime (14th), stime (15th).
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+            seen = True
+    return ticks / os.sysconf("SC_CLK_TCK") if seen else None
+
+
+def host_cpu_mhz() -> float | None:
+    """The host CPUs' mean clock now, as /proc/cpuinfo reports it (a VM may report a fixed figure); None
+    without it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":", 1)[1]) for line in f if line.startswith("cpu MHz")]
+    except (OSError, ValueError):
+        return None
+    return round(sum(mhz) / len(mhz), 1) if mhz else None
 
 
 def _visible_device(pynvml: Any) -> Any:

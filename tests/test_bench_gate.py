@@ -159,7 +159,8 @@ def test_under_a_gpu_clock_the_bench_starts_beside_shared_work_and_measures_alon
 
         builder = launch.beside(build)
         assert build_running.wait(10)
-        measured = launch.beside(lambda: bench_scenario(str(model), "s", scenario, work_dir=tmp_path / "w", timeout_s=120))
+        measured = launch.beside(
+            lambda: bench_scenario(str(model), "s", scenario, work_dir=tmp_path / "w", timeout_s=120))
         deadline = time.monotonic() + 60
         while not _events(record) and time.monotonic() < deadline:
             time.sleep(0.1)

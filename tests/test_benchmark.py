@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 import statistics
 
@@ -46,6 +47,9 @@ def test_transformers_in_spawned_process_measures_exact_fixed_length_output():
         assert rep["tokens_per_s"] == pytest.approx(32 / rep["wall_s"])
         # One batch of 4: every request shares the batch's TTFT and E2EL, so vLLM's TPOT formula holds per run.
         assert rep["tpot_ms"] == pytest.approx((rep["e2el_ms"] - rep["ttft_ms"]) / (8 - 1))
+        # The engine's process group spent CPU time on the pass (its own process, at least, generating).
+        assert rep["cpu_s"] is not None and 0 <= rep["cpu_s"] <= 2 * rep["wall_s"] * (os.cpu_count() or 1)
+        assert rep["sm_clock_mhz"] is None  # no GPU here
     assert r.tpot_ms == statistics.median(rep["tpot_ms"] for rep in r.repetitions)
     assert r.tokens_per_s == statistics.median(rep["tokens_per_s"] for rep in r.repetitions)
     assert r.peak_memory_bytes > 0 and r.energy_j_per_token is None

@@ -91,3 +91,24 @@ def test_another_groups_memory_is_its_own_not_this_processs_allocator(nvml: _Sta
     finally:
         server.kill()
         server.wait()
+
+
+def test_group_cpu_s_counts_the_cpu_time_of_every_process_of_the_group():
+    """A child of this process group that spins for a second shows in the group's CPU seconds; a group with no
+    process reads None. Real /proc, real processes."""
+    before = telemetry_module.group_cpu_s()
+    spin = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE)  # same group as this process
+    try:
+        deadline = time.monotonic() + 30
+        while (telemetry_module.group_cpu_s() or 0) - before < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert telemetry_module.group_cpu_s() - before >= 0.9
+    finally:
+        child.communicate(b"\n", timeout=30)
+    lone = subprocess.Popen([sys.executable, "-c", "input()"], stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        assert telemetry_module.group_cpu_s(lone.pid) is not None
+        assert telemetry_module.group_cpu_s(2**22 + 12345) is None  # no such group
+    finally:
+        lone.communicate(b"\n", timeout=30)
