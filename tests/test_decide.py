@@ -279,3 +279,25 @@ def test_a_gate_with_a_filter_judges_that_filter_of_the_metric():
     d = decide(VARIANT, 100, rows, [], policy)
     assert d.decision == "reject" and d.checks[0].detail["filter"] == "strict-match"
     assert decide(VARIANT, 100, rows[::-1], [], policy).checks[0].value == pytest.approx(0.5)
+
+
+def passes(speedup, low, high, n=3, base_n=3):
+    return [{"engine": "vllm", "scenario": "thr", "status": "ok", "speedup": speedup, "reason": None,
+             "speedup_low": low, "speedup_high": high, "passes": n, "base_passes": base_n}]
+
+
+def test_speed_is_judged_on_its_passes_range_and_is_inconclusive_where_it_spans_the_threshold():
+    # reference5's FP8 (1.02x; passes 0.97-1.03x), GPTQ (0.90x; 0.885-0.927x), and a variant clear of 1.0x.
+    spans = decide(VARIANT, 100, rec(0.99), passes(1.02, 0.969, 1.026), POLICY)
+    assert spans.decision == "inconclusive"
+    (check,) = [c for c in spans.checks if c.kind == "speed"]
+    assert check.outcome == "inconclusive" and (check.lower, check.upper) == (0.969, 1.026)
+    assert ("speed vllm/thr speedup 1.02x (every pairing of its 3 passes with the base's 3: 0.97-1.03x) spans 1.0x:"
+            " inconclusive") in spans.reason
+    slower = decide(VARIANT, 100, rec(0.99), passes(0.90, 0.885, 0.927), POLICY)
+    assert slower.decision == "reject" and "0.89-0.93x) < 1.0x" in slower.reason
+    faster = decide(VARIANT, 100, rec(0.99), passes(1.3, 1.2, 1.4), POLICY)
+    assert faster.decision == "accept" and "1.20-1.40x) >= 1.0x" in faster.reason
+    # One pass on either side is no range: the ratio of the two figures decides, as before.
+    one = decide(VARIANT, 100, rec(0.99), passes(1.02, 1.02, 1.02, n=1), POLICY)
+    assert one.decision == "accept" and "speedup 1.02x >= 1.0x" in one.reason

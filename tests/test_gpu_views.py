@@ -166,3 +166,26 @@ def test_export_and_summary(con, tmp_path):
     assert "46.0%" in text  # roofline
     assert "| bf16 | serving | c=2 | 4 | 25.0 | 39.7 |" in text  # TTFT p50 and p99 of the c=2 load
     assert "| bf16 | CUDA graphs off | vllm | latency | latency-eager | tpot_ms | 7.00 | 14.00 | 2.00× |" in text
+
+
+def test_speedup_carries_the_range_its_passes_allow(tmp_path):
+    def passes(*tps: float) -> list[dict]:
+        return [{"tokens_per_s": t, "wall_s": 1.0} for t in tps]
+
+    with store.session(tmp_path / "r.duckdb") as con:
+        store.start_run(con, RUN, "evaluate-model", "qwen-7b", "models.yaml", "h", "host", {})
+        store.record_model(con, RUN, ModelArtifact("qwen-7b", "/m", "local", None, "abc" * 10))
+        store.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
+        store.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
+        # reference5's FP8 on ref-offline, and a scenario with one pass a side (no range).
+        store.record_speed(con, RUN, BASE, [_speed("vllm", "offline", 20491.0, repetitions=passes(20609, 20458, 20491)),
+                                            _speed("vllm", "one", 100.0, repetitions=passes(100))])
+        store.record_speed(con, RUN, W4, [_speed("vllm", "offline", 20896.0, repetitions=passes(20896, 19976, 20991)),
+                                          _speed("vllm", "one", 120.0, repetitions=passes(120))])
+        rows = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM variant_speedup")}
+    off = rows["offline"]
+    assert off["speedup"] == pytest.approx(20896 / 20491)
+    assert off["speedup_low"] == pytest.approx(19976 / 20609) and off["speedup_high"] == pytest.approx(20991 / 20458)
+    assert (off["passes"], off["base_passes"]) == (3, 3)
+    one = rows["one"]
+    assert one["speedup_low"] == one["speedup_high"] == pytest.approx(1.2) and one["passes"] == 1
