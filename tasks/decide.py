@@ -116,18 +116,19 @@ def _speed_check(policy: Policy, speed: Sequence[dict[str, Any]]) -> DecisionChe
         return DecisionCheck("speed", name, "not_measured", f"{name} not measured ({why})", threshold=gate.min_speedup)
     row, t = rows[0], gate.min_speedup
     s, low, high = row["speedup"], row.get("speedup_low"), row.get("speedup_high")
-    if low is None or high is None or min(row.get("passes") or 0, row.get("base_passes") or 0) < 2:
-        ok = s >= t
-        return DecisionCheck("speed", name, "pass" if ok else "fail",
-                             f"{name} speedup {s:.2f}x {'>=' if ok else '<'} {t}x", value=s, threshold=t)
     # The passes' range, not the medians alone: a ratio of medians a few passes wide says no more than the
-    # passes do (reference4 and reference5 measured GPTQ at 1.15x and 0.90x of the same base).
-    outcome: CheckOutcome = "pass" if low >= t else "fail" if high < t else "inconclusive"
+    # passes do (reference4 and reference5 measured GPTQ at 1.15x and 0.90x of the same base). One pass a side
+    # is no range: the ratio decides.
+    ranged = low is not None and high is not None and min(row.get("passes") or 0, row.get("base_passes") or 0) >= 2
+    lo, hi = (low, high) if ranged else (s, s)
+    outcome: CheckOutcome = "pass" if lo >= t else "fail" if hi < t else "inconclusive"
     verdict = {"pass": f">= {t}x", "fail": f"< {t}x",
                "inconclusive": f"spans {t}x: inconclusive; more or longer passes would decide"}[outcome]
+    if not ranged:
+        return DecisionCheck("speed", name, outcome, f"{name} speedup {s:.2f}x {verdict}", value=s, threshold=t)
     passes = f"every pairing of its {row['passes']} passes with the base's {row['base_passes']}"
-    return DecisionCheck("speed", name, outcome, f"{name} speedup {s:.2f}x ({passes}: {low:.2f}-{high:.2f}x) {verdict}",
-                         value=s, lower=low, upper=high, threshold=t,
+    return DecisionCheck("speed", name, outcome, f"{name} speedup {s:.2f}x ({passes}: {lo:.2f}-{hi:.2f}x) {verdict}",
+                         value=s, lower=lo, upper=hi, threshold=t,
                          detail={"passes": row["passes"], "base_passes": row["base_passes"]})
 
 
