@@ -15,8 +15,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 # Prefect's ephemeral API keeps its SQLite database here, not in the user's ~/.prefect.
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="quantgate-prefect-"))
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-# GPU tests under pytest-xdist (benchmarks/gpu/run_tests.sh): each worker gets a GPU of its own from
-# QUANTGATE_TEST_GPUS, set here before anything touches CUDA, so two vLLM starts never share a device.
+# GPU tests under pytest-xdist (benchmarks/gpu/run_tests.sh): worker i gets GPU i mod count of QUANTGATE_TEST_GPUS,
+# set here before anything touches CUDA; with more workers than GPUs, workers share one (QG_TEST_WORKERS_PER_GPU).
 if (gpus := os.environ.get("QUANTGATE_TEST_GPUS")) and (worker := os.environ.get("PYTEST_XDIST_WORKER")):
     ids = gpus.split(",")
     os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(worker.removeprefix("gw")) % len(ids)]
