@@ -365,7 +365,10 @@ def test_vllm_serve_command_binds_loopback_and_names_the_model():
 
 _NO_GPU = importlib.util.find_spec("vllm") is None or not torch.cuda.is_available()
 _SMALL_QWEN = {**QWEN25_7B_INSTRUCT, **SMALL_QWEN}
-_ENGINE_ARGS = ["--max-model-len", "256", "--gpu-memory-utilization", "0.3", "--enforce-eager", "--seed", "0"]
+# A fixed 1 GiB KV cache, as sized_kv_cache gives an engine that starts beside other work: no memory profiling,
+# which another engine starting or stopping on the same GPU would upset.
+_ENGINE_ARGS = ["--max-model-len", "256", "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(1 << 30),
+                "--enforce-eager", "--seed", "0"]
 
 
 @pytest.mark.gpu

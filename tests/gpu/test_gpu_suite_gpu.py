@@ -21,7 +21,7 @@ pytestmark = [
 ]
 
 COMMON = {"device": "cuda", "dtype": "bfloat16", "weights": "dummy", "max_model_len": 256, "enforce_eager": True,
-          "gpu_memory_utilization": 0.3, "num_prompts": 16, "input_len": 64, "output_len": 32, "batch_size": 8,
+          "gpu_memory_utilization": 0.3, "num_prompts": 16, "input_len": 64, "output_len": 32,
           "warmup": 1, "repetitions": 1}
 
 
