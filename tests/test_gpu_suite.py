@@ -124,6 +124,15 @@ def test_a_step_on_one_gpu_runs_in_a_process_that_sees_only_that_gpu(monkeypatch
         on_gpus("1", 60, os._exit, 3)
 
 
+def test_the_device_tests_suite_passes_the_catalog_rules_on_a_cpu(tmp_path):
+    """The suite tests/gpu/ runs on the device, validated here, so that a catalog rule it breaks shows in CI and not
+    first on the device (it once kept batch_size on latency scenarios after only offline ones took it)."""
+    from tests.gpu.test_gpu_suite_gpu import suite_file
+
+    suite = load_gpu_suite(suite_file(tmp_path))
+    assert {s.kind for s in suite.scenarios.values()} == {"offline", "latency", "serving"}
+
+
 def test_out_of_memory_starts_are_retried_with_less():
     opts = EngineOptions(device="cuda", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.9)
 
@@ -138,6 +147,9 @@ def test_out_of_memory_starts_are_retried_with_less():
     )
     assert looks_like_oom("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`")
     assert looks_like_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    # Another process freed GPU memory while this start profiled its own (three test workers sharing an H200).
+    assert looks_like_oom("AssertionError: Error in memory profiling. Initial free memory 96.8 GiB, current free "
+                          "memory 138.98 GiB. This happens when other processes sharing the same container release")
     assert not looks_like_oom("ValueError: unknown quantization method") and not looks_like_oom(None)
     # A healthy start logs the free memory too; that is not a failure.
     assert not looks_like_oom(

@@ -106,10 +106,12 @@ def sweep_settings(point: dict[str, Any]) -> tuple[dict[str, Any], list[str], di
 
 
 # What vLLM 0.26 and torch say when the GPU memory does not fit the engine, its KV cache or
-# max_model_len (never in a healthy start's log).
+# max_model_len, or when another process on the GPU freed memory while vLLM profiled its own (never in a healthy
+# start's log). Each is worth one more start, made with the GPU alone.
 _OOM = re.compile(
     r"CUDA out of memory|OutOfMemoryError|No available memory for the cache blocks"
-    r"|is less than desired GPU memory utilization|which is larger than the available KV cache memory",
+    r"|is less than desired GPU memory utilization|which is larger than the available KV cache memory"
+    r"|Error in memory profiling",
 )
 
 

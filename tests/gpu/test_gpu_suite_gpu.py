@@ -25,7 +25,7 @@ COMMON = {"device": "cuda", "dtype": "bfloat16", "weights": "dummy", "max_model_
           "warmup": 1, "repetitions": 1}
 
 
-def _suite(tmp_path):
+def suite_file(tmp_path):
     offline = {**COMMON, "kind": "offline", "engines": ["transformers", "vllm"]}
     latency = {**offline, "kind": "latency", "num_prompts": 2}
     suite = {
@@ -60,7 +60,7 @@ def _suite(tmp_path):
 
 def _run(tmp_path: Path, part: str) -> Path:
     wh = tmp_path / "w.duckdb"
-    steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="small", suite=str(_suite(tmp_path)),
+    steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="small", suite=str(suite_file(tmp_path)),
                       parts=[part], deadline_s=1200, grace_s=300)
     assert steps and all(s["status"] == "ok" for s in steps), [(s["engine"], s["build"], s["reason"]) for s in steps]
     return wh
