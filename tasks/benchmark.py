@@ -40,7 +40,15 @@ from quantgate.tasks.speed.options import engine_options, resolve_device, sized_
 from quantgate.tasks.speed.prompts import make_prompt_sets
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.speed.vllm_cli import compile_cache_from_log
-from quantgate.tasks.telemetry import Telemetry, device_name, group_cpu_s, host_cpu_mhz, measure_bandwidth_gbps
+from quantgate.tasks.telemetry import (
+    GcTime,
+    Telemetry,
+    device_name,
+    freeze_heap,
+    group_cpu_s,
+    host_cpu_mhz,
+    measure_bandwidth_gbps,
+)
 
 
 def engine_sessions(
@@ -258,6 +266,7 @@ def _measure_group(
     # GPU memory of this process group (the engine and vLLM's engine core): other jobs may share the GPU.
     with Telemetry(opts.device, group=os.getpgrp()) as telemetry:
         engine.load(model_path, opts)
+        freeze_heap()
         # Loaded: no NVML polling while it waits for the GPU or measures (Telemetry.still says why).
         with telemetry.still(), launch.measuring() as window:
             try:
@@ -358,11 +367,13 @@ def _repetition(
     engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec, telemetry: Telemetry
 ) -> dict[str, Any]:
     before, cpu_before = telemetry.energy_mj(), group_cpu_s()
-    wall, timings = _workload(engine, prompts, scenario)
+    with GcTime() as gc_time:
+        wall, timings = _workload(engine, prompts, scenario)
     after, cpu_after = telemetry.energy_mj(), group_cpu_s()
-    # Where the time of a CPU-bound pass went: the CPU seconds the engine's processes spent on it, and the GPU's
-    # and the host's clocks as it ended (a pass slower than the one before at the same CPU seconds waited).
+    # Where the time of a CPU-bound pass went: the CPU seconds the engine's processes spent on it, this process's
+    # garbage collections, and the GPU's and the host's clocks as it ended.
     clocks = {"cpu_s": round(cpu_after - cpu_before, 2) if cpu_before is not None and cpu_after is not None else None,
+              "gc_s": round(gc_time.seconds, 4), "gc_collections": gc_time.collections,
               "sm_clock_mhz": telemetry.sm_clock_mhz(), "host_cpu_mhz": host_cpu_mhz()}
     out = sum(t.output_tokens for t in timings)
     prompt_tokens = sum(len(p) for p in prompts)

@@ -6,10 +6,12 @@ counter, the reading is None rather than a guess.
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import resource
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -181,6 +183,40 @@ class Telemetry:
         while not self._stop.wait(self._interval_s):
             if not self._still.is_set():
                 self._read()
+
+
+class GcTime:
+    """The time this process's cyclic garbage collector spends inside the block, and its collections (gc.callbacks).
+    In a CPU-bound pass the front end's collections are time in which no step is scheduled."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._began: float | None = None
+
+    def __enter__(self) -> GcTime:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.collections += 1
+            self._began = None
+
+
+def freeze_heap() -> int:
+    """Collect once, then leave everything this process holds now out of every later collection (gc.freeze), as vLLM
+    does for its server and engine core after start-up: a measuring process holds Prefect, pydantic, a tokenizer and
+    its prompts, which each full collection during a pass would walk again. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def group_cpu_s(pgid: int | None = None) -> float | None:

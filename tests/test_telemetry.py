@@ -112,3 +112,28 @@ def test_group_cpu_s_counts_the_cpu_time_of_every_process_of_the_group():
         assert telemetry_module.group_cpu_s(2**22 + 12345) is None  # no such group
     finally:
         lone.communicate(b"\n", timeout=30)
+
+
+def test_gc_time_counts_the_collections_inside_its_block_and_a_frozen_heap_is_left_out_of_them():
+    """Real collections of real cycles: GcTime counts those made inside its block and their time; freeze_heap puts
+    what the process holds in the permanent generation, which no collection walks."""
+    import gc
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self
+
+    held = [Node() for _ in range(20_000)]  # held: frozen, not garbage
+    try:
+        assert telemetry_module.freeze_heap() >= len(held)
+        with telemetry_module.GcTime() as timed:
+            for _ in range(1000):
+                Node()  # garbage only a collection frees
+            gc.collect()
+        assert timed.collections >= 1 and timed.seconds > 0
+        assert gc.get_freeze_count() >= len(held)  # the held nodes stayed out of those collections
+        outside = timed.collections
+        gc.collect()
+        assert timed.collections == outside  # its callback is gone with the block
+    finally:
+        gc.unfreeze()
