@@ -1,10 +1,11 @@
 """`vllm bench throughput` through its gate (tasks/speed/bench_gate.py): started, held at its first pass, let go.
 
 vLLM cannot run here (no GPU), so a stand-in `vllm` package, first on the bench's PYTHONPATH, plays the parts the
-gate touches: `vllm.LLM` (its load and `generate`, each recorded with the time) and vLLM's command line
-(`vllm.entrypoints.cli.main:main`), which does what `vllm bench throughput` does in 0.26: builds the LLM,
-runs `--num-warmups` prompts, times one pass of `--num-prompts`, writes `--output-json` and prints its
-summary line. The gate, the pipes, the process handling, the parsing and the GPU clock are the real code; that
+gate touches: `vllm.LLM` (its load and `generate`, a pass of PASS_S seconds, each recorded with the time) and vLLM's
+command line (`vllm.entrypoints.cli.main:main`), which does what `vllm bench throughput` does in 0.26: builds the
+LLM, runs `--num-warmups` prompts, times one `generate` of `--num-prompts` with perf_counter, writes `--output-json`
+and prints its summary line. The gate, the pipes, the process handling, the parsing and the GPU clock are the real
+code; that
 the real bench calls `LLM.generate` for its warm-up and its timed pass is vLLM 0.26's `run_vllm`
 (vllm/benchmarks/throughput.py), run on the device by tests/test_serving.py's GPU test.
 """
@@ -12,6 +13,7 @@ the real bench calls `LLM.generate` for its warm-up and its timed pass is vLLM 0
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import textwrap
 import threading
@@ -30,6 +32,7 @@ from quantgate.tasks.speed.bench_gate import GATE_ENV
 from quantgate.tasks.speed.errors import ServingError
 from quantgate.tasks.speed.processes import group_alive
 
+PASS_S = 0.1
 _LLM = textwrap.dedent(
     """
     import json, os, pathlib, time
@@ -44,13 +47,14 @@ _LLM = textwrap.dedent(
 
         def generate(self, prompts, params=None, **kwargs):
             _note(event="pass", prompts=len(prompts))
+            time.sleep(%s)
             return [None] * len(prompts)
-    """ % GATE_ENV
+    """ % (GATE_ENV, PASS_S)
 )
 
 _CLI = textwrap.dedent(
     """
-    import argparse, json, sys
+    import argparse, json, sys, time
 
     def main():
         parser = argparse.ArgumentParser()
@@ -67,8 +71,9 @@ _CLI = textwrap.dedent(
         if args.num_warmups:
             llm.generate([[0]] * args.num_warmups)
         n, i, o = args.num_prompts, args.random_input_len, args.random_output_len
+        start = time.perf_counter()
         llm.generate([[0] * i] * n)
-        elapsed = 2.0
+        elapsed = time.perf_counter() - start
         json.dump({"elapsed_time": elapsed, "num_requests": n, "total_num_tokens": n * (i + o),
                    "requests_per_second": n / elapsed, "tokens_per_second": n * (i + o) / elapsed},
                   open(args.output_json, "w"))
@@ -98,9 +103,9 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_the_bench_waits_at_its_first_pass_until_told_to_go(tmp_path, record):
-    with start_bench("/m", input_len=32, output_len=16, num_prompts=10, work_dir=tmp_path / "b",
-                     extra_args=["--num-warmups", "10"], ready_timeout_s=60) as bench:
+def test_the_bench_waits_at_its_first_pass_until_told_to_go_and_repeats_its_timed_pass(tmp_path, record):
+    with start_bench("/m", input_len=32, output_len=16, num_prompts=10, work_dir=tmp_path / "b", num_warmups=10,
+                     passes=3, ready_timeout_s=60) as bench:
         events = _events(record)
         assert [e["event"] for e in events] == ["loaded"]  # started, no pass run
         assert events[0]["gate_env"] is None  # popped before the engine's children could see it
@@ -109,11 +114,16 @@ def test_the_bench_waits_at_its_first_pass_until_told_to_go(tmp_path, record):
         let_go = time.time()
         res = bench.measure(timeout_s=60)
     passes = [e for e in _events(record) if e["event"] == "pass"]
-    assert [p["prompts"] for p in passes] == [10, 10]  # the warm-up, then the timed pass
+    assert [p["prompts"] for p in passes] == [10, 10, 10, 10]  # the warm-up, then the timed pass three times
     assert all(p["t"] >= let_go for p in passes)
-    assert res["requests_per_s"] == pytest.approx(5.0)
-    assert res["total_tokens_per_s"] == pytest.approx(10 * 48 / 2.0)
-    assert res["output_tokens_per_s"] == pytest.approx(10 * 16 / 2.0)
+    reps = res["repetitions"]
+    assert len(reps) == 3 and all(r["wall_s"] >= PASS_S for r in reps)
+    assert res["output_tokens_per_s"] == pytest.approx(statistics.median(10 * 16 / r["wall_s"] for r in reps))
+    assert res["total_tokens_per_s"] == pytest.approx(statistics.median(10 * 48 / r["wall_s"] for r in reps))
+    assert res["requests_per_s"] == pytest.approx(statistics.median(10 / r["wall_s"] for r in reps))
+    # vLLM's own timing spans the three passes: its figure times three is its mean, the passes' within it.
+    assert res["elapsed_s"] >= sum(r["wall_s"] for r in reps)
+    assert res["own_mean_output_tokens_per_s"] == pytest.approx(3 * 10 * 16 / res["elapsed_s"], rel=1e-3)
     cmd = res["command"]
     assert cmd[:3] == [sys.executable, "-m", "quantgate.tasks.speed.bench_gate"]
     assert cmd[3:5] == ["bench", "throughput"] and cmd[cmd.index("--random-range-ratio") + 1] == "0"
@@ -172,7 +182,9 @@ def test_under_a_gpu_clock_the_bench_starts_beside_shared_work_and_measures_alon
         builder.result(10)
         row = measured.result(60)
     assert row.status == "ok", row.reason
-    assert row.tokens_per_s == pytest.approx(6 * 8 / 2.0)
+    # The scenario's one warm-up and three repetitions (its defaults), as ours are run.
+    assert len(row.repetitions) == 3
+    assert row.tokens_per_s == pytest.approx(statistics.median(6 * 8 / r["wall_s"] for r in row.repetitions))
     passes = [e for e in _events(record) if e["event"] == "pass"]
-    assert len(passes) == 2 and all(p["t"] >= build_ended for p in passes)
+    assert len(passes) == 4 and all(p["t"] >= build_ended for p in passes)
     assert row.details["gpu_wait_s"] >= 0.4 and row.details["engine_starts"] == 1

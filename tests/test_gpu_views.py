@@ -60,7 +60,8 @@ def con(tmp_path):
         store.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
         store.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
         store.record_speed(con, RUN, BASE, [
-            _speed("vllm", "offline", 1000.0, 3000.0, device="NVIDIA H200"),
+            _speed("vllm", "offline", 1000.0, 3000.0, device="NVIDIA H200",
+                   repetitions=[{"tokens_per_s": t, "wall_s": 1.0} for t in (900.0, 1000.0, 1200.0)]),
             _speed("vllm-bench", "offline", 1100.0, 3300.0),
             _speed("transformers", "offline", 250.0, 750.0),
             _speed("vllm", "latency", 140.0, tpot_ms=7.0, decode_tokens_per_s=1000 / 7.0, bandwidth_gbps=4300.0,
@@ -129,6 +130,9 @@ def test_crosscheck_compares_like_for_like_and_engines_side_by_side(con):
     assert (cc["variant_uid"], cc["scenario"]) == (BASE, "offline")
     assert cc["output_gap_pct"] == pytest.approx(100 * (1000 - 1100) / 1100)
     assert cc["total_gap_pct"] == pytest.approx(100 * (3000 - 3300) / 3300)
+    # Each side's passes: ours three; a bench row of before its passes were repeated is its one pass.
+    assert (cc["ours_passes"], cc["ours_slowest_pass"], cc["ours_fastest_pass"]) == (3, 900.0, 1200.0)
+    assert (cc["bench_passes"], cc["bench_slowest_pass"], cc["bench_fastest_pass"]) == (1, 1100.0, 1100.0)
 
     (cmp,) = store.rows(con, "SELECT * FROM engine_comparison")
     assert (cmp["variant"], cmp["weights"], cmp["vllm_over_transformers"]) == ("bf16", "dummy", 4.0)

@@ -1,15 +1,18 @@
 """`vllm bench throughput`, vLLM's own offline benchmark, run on an offline scenario beside our vLLM figure:
 the harness cross-check (engine "vllm-bench"). Like every engine it starts beside unmeasured work and runs its
-passes with the GPU alone: its program is held at its first pass until the GPU is its own (bench_gate.py)."""
+passes with the GPU alone: its program is held at its first pass until the GPU is its own, and its timed pass is
+repeated as many times as ours (bench_gate.py), the median taken as ours is."""
 
 from __future__ import annotations
 
 import json
 import os
 import select
+import statistics
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ from quantgate.tasks.speed.errors import ServingError
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.processes import end_group, group_alive, log_tail, spawn_session
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
-from quantgate.tasks.speed.bench_gate import GATE_ENV, GO, READY
+from quantgate.tasks.speed.bench_gate import GATE_ENV, GO, READY, gate_env
 from quantgate.tasks.speed.vllm_cli import (
     BENCH_CLI,
     bench_engine_args,
@@ -36,14 +39,29 @@ from quantgate.tasks.speed.vllm_cli import (
 from quantgate.tasks.telemetry import nvml_device_name
 
 
+@dataclass(frozen=True)
+class BenchLoad:
+    """What one timed pass of the bench holds: its prompts and their lengths (random dataset, EOS ignored)."""
+
+    num_prompts: int
+    input_len: int
+    output_len: int
+
+    def figures(self, seconds: float) -> dict[str, float]:
+        """One pass of `seconds`, counted as vLLM's bench counts its tokens."""
+        return {"wall_s": seconds, "tokens_per_s": self.num_prompts * self.output_len / seconds,
+                "total_tokens_per_s": self.num_prompts * (self.input_len + self.output_len) / seconds,
+                "requests_per_s": self.num_prompts / seconds}
+
+
 class StartedBench:
     """A `vllm bench throughput` whose engine has started and whose first pass waits (tasks/speed/bench_gate.py):
     `measure()` lets it run its passes and reads its numbers; leaving the block ends its process group."""
 
     def __init__(self, proc: subprocess.Popen, go_fd: int, cmd: list[str], out_json: Path, log: Path,
-                 num_prompts: int, output_len: int) -> None:
+                 load: BenchLoad, times_file: Path) -> None:
         self.proc, self._go_fd, self.cmd, self._out_json, self.log = proc, go_fd, cmd, out_json, log
-        self._num_prompts, self._output_len = num_prompts, output_len
+        self._load, self._times_file = load, times_file
 
     @property
     def pid(self) -> int:
@@ -59,12 +77,18 @@ class StartedBench:
         if self.proc.returncode != 0 or not self._out_json.exists():
             raise ServingError(f"vllm bench throughput failed (exit {self.proc.returncode}): {log_tail(self.log)}")
         data = json.loads(self._out_json.read_text())
-        output_tps = output_tokens_per_s_from_log(read_log(self.log))
+        try:
+            passes = [self._load.figures(t) for t in json.loads(self._times_file.read_text())]
+        except (OSError, ValueError):
+            raise ServingError(f"vllm bench throughput left no pass times in {self._times_file}") from None
+        # vLLM's own timing spans every pass: its mean over them, beside the median of the passes the gate timed.
+        own = output_tokens_per_s_from_log(read_log(self.log))
         return {
-            "requests_per_s": data["requests_per_second"],
-            "total_tokens_per_s": data["tokens_per_second"],
-            "output_tokens_per_s": output_tps if output_tps is not None
-            else self._num_prompts * self._output_len / data["elapsed_time"],
+            "output_tokens_per_s": statistics.median(p["tokens_per_s"] for p in passes),
+            "total_tokens_per_s": statistics.median(p["total_tokens_per_s"] for p in passes),
+            "requests_per_s": statistics.median(p["requests_per_s"] for p in passes),
+            "repetitions": passes,
+            "own_mean_output_tokens_per_s": own * len(passes) if own is not None else None,
             "elapsed_s": data["elapsed_time"],
             "num_requests": data["num_requests"],
             "total_num_tokens": data["total_num_tokens"],
@@ -93,35 +117,41 @@ def start_bench(
     num_prompts: int,
     work_dir: str | Path,
     seed: int = 0,
+    num_warmups: int = 0,
+    passes: int = 1,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 1800.0,
     niceness: int = 0,
     cli: Sequence[str] = BENCH_CLI,
 ) -> StartedBench:
-    """Start `vllm bench throughput` on the random dataset (EOS ignored, fixed lengths) and return once its
-    engine is up and its first pass waits; a bench that ends or runs out of time before that raises
-    ServingError with its log's tail. Engine flags (--dtype, --max-model-len, --load-format dummy ...) go in
-    `extra_args`."""
+    """Start `vllm bench throughput` on the random dataset (EOS ignored, fixed lengths), `num_warmups` warm-up
+    prompts and its timed pass run `passes` times, and return once its engine is up and its first pass waits; a bench
+    that ends or runs out of time before that raises ServingError with its log's tail. Engine flags (--dtype,
+    --max-model-len, --load-format dummy ...) go in `extra_args`."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     out_json = work / "vllm_bench_throughput.json"
     log = work / "vllm_bench_throughput.log"
-    out_json.unlink(missing_ok=True)
+    times_file = work / "pass_seconds.json"
+    for stale in (out_json, times_file):
+        stale.unlink(missing_ok=True)
+    if num_warmups:
+        extra_args = [*extra_args, "--num-warmups", str(num_warmups)]
     cmd = bench_throughput_command(model_path, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
                                    seed=seed, output_json=out_json, extra_args=extra_args, cli=cli)
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     try:
-        proc = spawn_session(cmd, log, {**(env or {}), GATE_ENV: f"{ready_w},{go_r}"}, niceness=niceness,
-                             pass_fds=(ready_w, go_r))
+        gate = gate_env(ready_w, go_r, 2 if num_warmups else 1, passes, str(times_file))
+        proc = spawn_session(cmd, log, {**(env or {}), GATE_ENV: gate}, niceness=niceness, pass_fds=(ready_w, go_r))
     except BaseException:
         for fd in (ready_r, ready_w, go_r, go_w):
             os.close(fd)
         raise
     os.close(ready_w)
     os.close(go_r)
-    bench = StartedBench(proc, go_w, cmd, out_json, log, num_prompts, output_len)
+    bench = StartedBench(proc, go_w, cmd, out_json, log, BenchLoad(num_prompts, input_len, output_len), times_file)
     try:
         readable, _, _ = select.select([ready_r], [], [], max(0.0, ready_timeout_s))
         said = os.read(ready_r, len(READY)) if readable else None
@@ -139,9 +169,9 @@ def start_bench(
 
 
 def vllm_bench_throughput(model_path: str, *, timeout_s: float = 1800.0, **start: Any) -> dict[str, Any]:
-    """`vllm bench throughput` from start to end, its passes right after its start: its numbers (requests/s
-    and total (prompt + output) tokens/s from vLLM's JSON, output tokens/s from its printed summary line) and
-    its command. `start` takes start_bench's keywords."""
+    """`vllm bench throughput` from start to end, its passes right after its start: the median of its timed passes
+    (output tokens/s, total (prompt + output) tokens/s, requests/s), each pass, vLLM's own mean over them, and its
+    command. `start` takes start_bench's keywords."""
     deadline = time.monotonic() + timeout_s
     with start_bench(model_path, ready_timeout_s=timeout_s, **start) as bench:
         return bench.measure(max(1.0, deadline - time.monotonic()))
@@ -157,10 +187,10 @@ def bench_scenario(
     options: dict[str, Any] | None = None,
 ) -> SpeedResult:
     """`vllm bench throughput` on an offline scenario's config (same model, lengths, prompt count,
-    engine flags, warm-up of one full pass, sampler: the scenario must sample at the bench's fixed
+    engine flags, warm-up of one full pass, repetitions, sampler: the scenario must sample at the bench's fixed
     temperature, else the row is skipped with why), as a SpeedResult of engine "vllm-bench": tokens_per_s is
-    its output tokens/s and total_tokens_per_s its (prompt + output) tokens/s, like ours. Its window with
-    the GPU alone holds its warm-up and timed passes and its teardown, not its start."""
+    the median output tokens/s of its passes and total_tokens_per_s their (prompt + output) tokens/s, like ours.
+    Its window with the GPU alone holds its warm-up and timed passes and its teardown, not its start."""
     opts, result, early = preflight("vllm-bench", model_path, scenario_name, scenario, options)
     if early is not None:
         return early
@@ -174,7 +204,8 @@ def bench_scenario(
         def begin(niceness: int) -> StartedBench:
             return start_bench(model_path, input_len=scenario.input_len, output_len=scenario.output_len,
                                num_prompts=scenario.num_prompts, work_dir=bench_dir, seed=used.seed,
-                               extra_args=bench_engine_args(used, scenario.num_prompts if scenario.warmup else 0),
+                               num_warmups=scenario.num_prompts if scenario.warmup else 0,
+                               passes=scenario.repetitions, extra_args=bench_engine_args(used),
                                ready_timeout_s=max(1.0, deadline - time.monotonic()), niceness=niceness)
 
         def measure(bench: StartedBench, window: launch.GpuWindow) -> dict[str, Any]:
@@ -209,8 +240,10 @@ def bench_scenario(
         tokens_per_s=res["output_tokens_per_s"],
         total_tokens_per_s=res["total_tokens_per_s"],
         requests_per_s=res["requests_per_s"],
+        repetitions=res["repetitions"],
         versions=vllm_versions(),
         details={"command": res["command"], "elapsed_s": res["elapsed_s"], "engine_starts": tried.engine_starts,
+                 "own_mean_output_tokens_per_s": res["own_mean_output_tokens_per_s"],
                  "total_num_tokens": res["total_num_tokens"], **res["window"],
                  **({"attempts": attempts} if attempts else {})},
     )

@@ -1,20 +1,29 @@
-"""`vllm bench throughput` with its start apart from its passes: the bench's program, as
-`python -m quantgate.tasks.speed.bench_gate bench throughput ...`, which is vLLM's own command line with one
-hold: the benchmark's first `LLM.generate` (its warm-up pass; the timed pass follows it) waits until it is told
-to go. So the engine's start (imports, engine core, compile, CUDA graphs: 82 s of the 105 s window the bench held
-in reference5) can share the GPU with unmeasured work like every other engine's, while the passes the bench
-times have the GPU alone. The bench's own code loads, warms up and times; nothing of it is changed.
+"""`vllm bench throughput` with its start apart from its passes, and its timed pass repeated: the bench's program, as
+`python -m quantgate.tasks.speed.bench_gate bench throughput ...`, which is vLLM's own command line with two changes
+to how `vllm.LLM.generate` is called, not to what it does:
 
-With GATE_ENV set to "READY_FD,GO_FD" (pipe ends the parent passed down), the process writes one line to
-READY_FD when it reaches its first pass and reads one from GO_FD: "go" lets it run, end of file (its parent
-gone) ends it. Without GATE_ENV it is vLLM's command line as it is. Only the standard library is imported
-before vLLM: this runs in the bench's process, not in quantgate's.
+- the benchmark's first `generate` (its warm-up pass; the timed pass follows it) waits until it is told to go. So the
+  engine's start (imports, engine core, compile, CUDA graphs: 82 s of the 105 s window the bench held in reference5)
+  can share the GPU with unmeasured work like every other engine's, while the passes the bench times have it alone;
+- its timed `generate` runs `passes` times back to back with the same prompts and sampling parameters, each timed
+  with `time.perf_counter` around the call as vLLM's `run_vllm` times its one pass, the seconds written to a file.
+  One pass of a CPU-bound configuration moves by 5-20 % from one pass to the next (results/h200/README.md,
+  reference6), so the bench is held against our repetitions with repetitions of its own. The bench's own
+  `elapsed_time` then covers all of them.
+
+With GATE_ENV set to "READY_FD,GO_FD,TIMED_CALL,PASSES,TIMES_FILE" (pipe ends the parent passed down; the number of
+the timed `generate` call, 2 after a warm-up, else 1), the process writes one line to READY_FD when it reaches its
+first call and reads one from GO_FD: "go" lets it run, end of file (its parent gone) ends it. Without GATE_ENV it is
+vLLM's command line as it is. Only the standard library is imported before vLLM: this runs in the bench's process,
+not in quantgate's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from typing import Any
 
 GATE_ENV = "QUANTGATE_BENCH_GATE"
@@ -22,23 +31,37 @@ READY = b"ready\n"
 GO = b"go\n"
 
 
-def hold_first_generate(ready_fd: int, go_fd: int) -> None:
-    """Make vllm.LLM's first generate call wait for the parent's go (see the module)."""
+def gate_env(ready_fd: int, go_fd: int, timed_call: int, passes: int, times_file: str) -> str:
+    return f"{ready_fd},{go_fd},{timed_call},{passes},{times_file}"
+
+
+def gate_generate(ready_fd: int, go_fd: int, timed_call: int, passes: int, times_file: str) -> None:
+    """Make vllm.LLM's first generate call wait for the parent's go, and its `timed_call`-th run `passes` times (see
+    the module)."""
     from vllm import LLM
 
     generate = LLM.generate
-    held = False
+    calls = 0
 
     def gated(self: Any, *args: Any, **kwargs: Any) -> Any:
-        nonlocal held
-        if not held:
-            held = True
+        nonlocal calls
+        calls += 1
+        if calls == 1:
             os.write(ready_fd, READY)
             os.close(ready_fd)
             with os.fdopen(go_fd, "rb") as go:
                 if go.readline() != GO:
                     raise SystemExit("bench gate: no go from the parent (it ended); the passes were not run")
-        return generate(self, *args, **kwargs)
+        if calls != timed_call:
+            return generate(self, *args, **kwargs)
+        seconds = []
+        for _ in range(passes):
+            began = time.perf_counter()
+            outputs = generate(self, *args, **kwargs)
+            seconds.append(time.perf_counter() - began)
+        with open(times_file, "w") as f:
+            json.dump(seconds, f)
+        return outputs
 
     LLM.generate = gated  # type: ignore[method-assign]
 
@@ -46,8 +69,8 @@ def hold_first_generate(ready_fd: int, go_fd: int) -> None:
 def main() -> None:
     # Popped, so that the engine core and workers the bench spawns do not see it.
     if gate := os.environ.pop(GATE_ENV, None):
-        ready_fd, go_fd = (int(fd) for fd in gate.split(","))
-        hold_first_generate(ready_fd, go_fd)
+        ready_fd, go_fd, timed_call, passes, times_file = gate.split(",", 4)
+        gate_generate(int(ready_fd), int(go_fd), int(timed_call), int(passes), times_file)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *sys.argv[1:]]

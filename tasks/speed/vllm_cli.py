@@ -77,12 +77,9 @@ def serve_engine_args(opts: EngineOptions, extra_args: Sequence[str] = ()) -> li
     return [*vllm_cli_args(opts), "--seed", str(opts.seed), *extra_args]
 
 
-def bench_engine_args(opts: EngineOptions, num_warmups: int) -> list[str]:
-    """The engine flags of `vllm bench throughput` for `opts`, detokenizing off, `num_warmups` warm-up prompts."""
-    extra = [*vllm_cli_args(opts), "--disable-detokenize"]
-    if num_warmups:
-        extra += ["--num-warmups", str(num_warmups)]
-    return extra
+def bench_engine_args(opts: EngineOptions) -> list[str]:
+    """The engine flags of `vllm bench throughput` for `opts`, detokenizing off."""
+    return [*vllm_cli_args(opts), "--disable-detokenize"]
 
 
 def sweep_settings(point: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, str]]:

@@ -1,13 +1,22 @@
--- Our vLLM offline figure beside `vllm bench throughput` on the same config, like for like:
--- output tokens/s and (prompt + output) tokens/s. gap_pct > 0: ours is faster than vLLM's own.
+-- Our vLLM offline figure beside `vllm bench throughput` on the same config, like for like: the median of as many
+-- timed passes after as many warm-ups (the bench's timed pass repeated by its gate), output tokens/s and (prompt +
+-- output) tokens/s, and each side's slowest and fastest pass. gap_pct > 0: ours is faster than vLLM's own. A bench
+-- row of before its passes were repeated has one pass: its slowest and fastest are that pass.
 CREATE OR REPLACE VIEW vllm_crosscheck AS
+WITH passes AS (
+    SELECT *, json_extract(repetitions, '$[*].tokens_per_s')::DOUBLE[] AS pass_tps FROM stg_speed_results
+)
 SELECT o.run_id, o.variant_uid, o.scenario,
        o.tokens_per_s AS ours_output_tokens_per_s, b.tokens_per_s AS bench_output_tokens_per_s,
        100 * (o.tokens_per_s - b.tokens_per_s) / nullif(b.tokens_per_s, 0) AS output_gap_pct,
        o.total_tokens_per_s AS ours_total_tokens_per_s, b.total_tokens_per_s AS bench_total_tokens_per_s,
        100 * (o.total_tokens_per_s - b.total_tokens_per_s) / nullif(b.total_tokens_per_s, 0) AS total_gap_pct,
+       len(o.pass_tps) AS ours_passes, list_min(o.pass_tps) AS ours_slowest_pass, list_max(o.pass_tps) AS ours_fastest_pass,
+       greatest(len(b.pass_tps), 1) AS bench_passes,
+       coalesce(list_min(b.pass_tps), b.tokens_per_s) AS bench_slowest_pass,
+       coalesce(list_max(b.pass_tps), b.tokens_per_s) AS bench_fastest_pass,
        o.status AS ours_status, b.status AS bench_status, coalesce(o.reason, b.reason) AS reason
-FROM stg_speed_results o
-JOIN stg_speed_results b
+FROM passes o
+JOIN passes b
   ON b.run_id = o.run_id AND b.variant_uid = o.variant_uid AND b.scenario = o.scenario AND b.engine = 'vllm-bench'
 WHERE o.engine = 'vllm';
