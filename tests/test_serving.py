@@ -393,7 +393,11 @@ def test_vllm_serve_and_bench_throughput_on_the_device(tmp_path, quant):
     summary = summarize(run.records, run.duration_s, Slo(ttft_ms=10_000, tpot_ms=1_000))
     assert summary["good_requests"] == 8 and summary["output_tokens_per_s"] > 0
 
+    # Through its gate (tasks/speed/bench_gate.py): one warm-up pass, then its timed pass three times.
     res = vllm_bench_throughput(
-        str(ck.path), input_len=32, output_len=16, num_prompts=16, work_dir=tmp_path / "bench", extra_args=_ENGINE_ARGS
+        str(ck.path), input_len=32, output_len=16, num_prompts=16, work_dir=tmp_path / "bench", num_warmups=16,
+        passes=3, extra_args=_ENGINE_ARGS,
     )
     assert res["num_requests"] == 16 and res["output_tokens_per_s"] > 0
+    assert len(res["repetitions"]) == 3 and res["elapsed_s"] >= sum(r["wall_s"] for r in res["repetitions"])
+    assert res["own_mean_output_tokens_per_s"] > 0
