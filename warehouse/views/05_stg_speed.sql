@@ -15,6 +15,10 @@ UNION ALL BY NAME
 SELECT s.* REPLACE (u.run_id AS run_id, u.variant_uid AS variant_uid)
 FROM stg_speed_reuse u JOIN speed_results s ON s.run_id = u.speed_run_id AND s.variant_uid = u.speed_variant_uid;
 
+-- The speed rows with each measured pass's output tokens/s as a list (NULL for a row without passes, e.g. serving).
+CREATE OR REPLACE VIEW stg_speed_passes AS
+SELECT *, json_extract(repetitions, '$[*].tokens_per_s')::DOUBLE[] AS pass_tps FROM stg_speed_results;
+
 CREATE OR REPLACE VIEW stg_serving_loads AS
 SELECT * FROM serving_loads
 UNION ALL BY NAME

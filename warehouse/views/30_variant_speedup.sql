@@ -2,9 +2,6 @@
 -- repetitions allow: speedup_low pairs the variant's slowest pass with the base's fastest, speedup_high the
 -- variant's fastest with the base's slowest (NULL without per-pass figures, e.g. a serving row).
 CREATE OR REPLACE VIEW variant_speedup AS
-WITH passes AS (
-    SELECT *, json_extract(repetitions, '$[*].tokens_per_s')::DOUBLE[] AS pass_tps FROM stg_speed_results
-)
 SELECT s.run_id, s.variant_uid, s.engine, s.scenario, s.status, s.reason,
        s.tokens_per_s, b.tokens_per_s AS base_tokens_per_s,
        s.tokens_per_s / nullif(b.tokens_per_s, 0) AS speedup,
@@ -13,9 +10,9 @@ SELECT s.run_id, s.variant_uid, s.engine, s.scenario, s.status, s.reason,
        len(s.pass_tps) AS passes, len(b.pass_tps) AS base_passes,
        s.ttft_ms, b.ttft_ms AS base_ttft_ms, s.tpot_ms, b.tpot_ms AS base_tpot_ms,
        s.peak_memory_bytes, b.peak_memory_bytes AS base_peak_memory_bytes
-FROM passes s
+FROM stg_speed_passes s
 JOIN run_variants rv ON rv.run_id = s.run_id AND rv.variant_uid = s.variant_uid AND rv.role = 'variant'
 LEFT JOIN run_variants rb ON rb.run_id = s.run_id AND rb.role = 'base'
-LEFT JOIN passes b
+LEFT JOIN stg_speed_passes b
   ON b.run_id = s.run_id AND b.variant_uid = rb.variant_uid AND b.engine = s.engine AND b.scenario = s.scenario
  AND b.status = 'ok';

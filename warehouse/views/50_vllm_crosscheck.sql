@@ -3,9 +3,6 @@
 -- output) tokens/s, and each side's slowest and fastest pass. gap_pct > 0: ours is faster than vLLM's own. A bench
 -- row of before its passes were repeated has one pass: its slowest and fastest are that pass.
 CREATE OR REPLACE VIEW vllm_crosscheck AS
-WITH passes AS (
-    SELECT *, json_extract(repetitions, '$[*].tokens_per_s')::DOUBLE[] AS pass_tps FROM stg_speed_results
-)
 SELECT o.run_id, o.variant_uid, o.scenario,
        o.tokens_per_s AS ours_output_tokens_per_s, b.tokens_per_s AS bench_output_tokens_per_s,
        100 * (o.tokens_per_s - b.tokens_per_s) / nullif(b.tokens_per_s, 0) AS output_gap_pct,
@@ -16,7 +13,7 @@ SELECT o.run_id, o.variant_uid, o.scenario,
        coalesce(list_min(b.pass_tps), b.tokens_per_s) AS bench_slowest_pass,
        coalesce(list_max(b.pass_tps), b.tokens_per_s) AS bench_fastest_pass,
        o.status AS ours_status, b.status AS bench_status, coalesce(o.reason, b.reason) AS reason
-FROM passes o
-JOIN passes b
+FROM stg_speed_passes o
+JOIN stg_speed_passes b
   ON b.run_id = o.run_id AND b.variant_uid = o.variant_uid AND b.scenario = o.scenario AND b.engine = 'vllm-bench'
 WHERE o.engine = 'vllm';
