@@ -1,4 +1,4 @@
-"""What a full garbage collection costs a measuring process before and after tasks.telemetry.freeze_heap: the heap
+"""What a full garbage collection costs a measuring process before and after tasks.launch.freeze_heap: the heap
 that process holds when its passes begin (quantgate's speed code with Prefect and pydantic, transformers, a tokenizer,
 the prompt sets of the reference model's offline scenarios), each collection timed as the median of several.
 
@@ -27,7 +27,7 @@ def main() -> None:
     import quantgate.tasks.benchmark  # noqa: F401 - the measuring process's imports
     from quantgate.catalog.schema import OfflineScenario
     from quantgate.tasks.speed.prompts import make_prompt_sets
-    from quantgate.tasks.telemetry import freeze_heap
+    from quantgate.tasks.launch import freeze_heap
 
     tokenizer = sys.argv[1] if len(sys.argv) > 1 else str(
         Path(__file__).resolve().parents[1].parent / "shared" / "data" / "models" / "stories260k-i256")

@@ -44,7 +44,6 @@ from quantgate.tasks.telemetry import (
     GcTime,
     Telemetry,
     device_name,
-    freeze_heap,
     group_cpu_s,
     host_cpu_mhz,
     measure_bandwidth_gbps,
@@ -266,7 +265,6 @@ def _measure_group(
     # GPU memory of this process group (the engine and vLLM's engine core): other jobs may share the GPU.
     with Telemetry(opts.device, group=os.getpgrp()) as telemetry:
         engine.load(model_path, opts)
-        freeze_heap()
         # Loaded: no NVML polling while it waits for the GPU or measures (Telemetry.still says why).
         with telemetry.still(), launch.measuring() as window:
             try:

@@ -210,15 +210,6 @@ class GcTime:
             self._began = None
 
 
-def freeze_heap() -> int:
-    """Collect once, then leave everything this process holds now out of every later collection (gc.freeze), as vLLM
-    does for its server and engine core after start-up: a measuring process holds Prefect, pydantic, a tokenizer and
-    its prompts, which each full collection during a pass would walk again. Returns the objects frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 def group_cpu_s(pgid: int | None = None) -> float | None:
     """CPU seconds (user + system) that the live processes of process group `pgid` (default this process's:
     an engine and its engine core) have used so far, from /proc; None where there is no /proc."""

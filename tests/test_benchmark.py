@@ -1,3 +1,4 @@
+import gc
 import json
 import os
 import shutil
@@ -63,9 +64,11 @@ def test_transformers_in_spawned_process_measures_exact_fixed_length_output():
 def test_latency_scenario_times_each_request_alone():
     scenario = LatencyScenario(**{**SMALL.model_dump(exclude={"kind", "batch_size"}), "num_prompts": 3, "repetitions": 1,
                                   "warmup": 0})
+    frozen = gc.get_freeze_count()
     r = run_scenario(str(TINY), "transformers", "lat", scenario, isolate=False)
 
     assert r.status == "ok", r.reason
+    assert gc.get_freeze_count() == frozen  # measured in this process: its heap is the caller's, left unfrozen
     assert (r.num_requests, r.output_tokens) == (3, 3 * 8)
     rep = r.repetitions[0]
     assert rep["requests_per_s"] == pytest.approx(3 / rep["wall_s"])
