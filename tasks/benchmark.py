@@ -41,11 +41,9 @@ from quantgate.tasks.speed.prompts import make_prompt_sets
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.speed.vllm_cli import compile_cache_from_log
 from quantgate.tasks.telemetry import (
-    GcTime,
+    PassClocks,
     Telemetry,
     device_name,
-    group_cpu_s,
-    host_cpu_mhz,
     measure_bandwidth_gbps,
 )
 
@@ -364,15 +362,10 @@ def _workload(engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec) 
 def _repetition(
     engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec, telemetry: Telemetry
 ) -> dict[str, Any]:
-    before, cpu_before = telemetry.energy_mj(), group_cpu_s()
-    with GcTime() as gc_time:
+    before = telemetry.energy_mj()
+    with PassClocks() as clocks:
         wall, timings = _workload(engine, prompts, scenario)
-    after, cpu_after = telemetry.energy_mj(), group_cpu_s()
-    # Where the time of a CPU-bound pass went: the CPU seconds the engine's processes spent on it, this process's
-    # garbage collections, and the GPU's and the host's clocks as it ended.
-    clocks = {"cpu_s": round(cpu_after - cpu_before, 2) if cpu_before is not None and cpu_after is not None else None,
-              "gc_s": round(gc_time.seconds, 4), "gc_collections": gc_time.collections,
-              "sm_clock_mhz": telemetry.sm_clock_mhz(), "host_cpu_mhz": host_cpu_mhz()}
+    after = telemetry.energy_mj()
     out = sum(t.output_tokens for t in timings)
     prompt_tokens = sum(len(p) for p in prompts)
     # A counter that did not move over a very short run says nothing, so it is not reported as 0 J.
@@ -387,7 +380,9 @@ def _repetition(
         "tpot_ms": _ms(_median([t.tpot_s for t in timings])),
         "e2el_ms": _ms(_median([t.e2el_s for t in timings])),
         "energy_j": energy_j,
-        **clocks,
+        # Where the time of a CPU-bound pass went (telemetry.PassClocks), and the GPU's clock as it ended.
+        **clocks.figures(),
+        "sm_clock_mhz": telemetry.sm_clock_mhz(),
     }
 
 

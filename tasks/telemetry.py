@@ -185,29 +185,77 @@ class Telemetry:
                 self._read()
 
 
-class GcTime:
-    """The time this process's cyclic garbage collector spends inside the block, and its collections (gc.callbacks).
-    In a CPU-bound pass the front end's collections are time in which no step is scheduled."""
+class PassClocks:
+    """Where the CPU went while the block ran (one timed pass): `figures()` after it gives
+
+    - `cpu_s`: CPU seconds of the live processes of this process's group (an engine and its engine core);
+    - `front_cpu_s`: of this process alone, all its threads (the front end that submits and collects);
+    - `other_cpu_s`: the rest of the machine's busy CPU seconds (/proc/stat's, less `cpu_s`): other work the
+      engine's processes shared the CPUs with;
+    - `steal_s`: CPU seconds the hypervisor gave to others while this VM wanted them (all CPUs together);
+    - `gc_s`, `gc_collections`: this process's cyclic garbage collections (gc.callbacks), time in which a
+      CPU-bound front end schedules nothing;
+    - `host_cpu_mhz`: the CPUs' mean clock as the block ended.
+
+    Standard library only: `vllm bench throughput`'s process (tasks/speed/bench_gate.py) times its passes with it
+    too. A reading the machine does not offer (no /proc) is None."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.collections = 0
-        self._began: float | None = None
+        self.gc_s = 0.0
+        self.gc_collections = 0
+        self._gc_began: float | None = None
+        self._before: tuple[float | None, float, tuple[float, float] | None] = (None, 0.0, None)
+        self._after: tuple[float | None, float, tuple[float, float] | None] = (None, 0.0, None)
 
-    def __enter__(self) -> GcTime:
-        gc.callbacks.append(self._callback)
+    def __enter__(self) -> PassClocks:
+        gc.callbacks.append(self._gc_callback)
+        self._before = (group_cpu_s(), time.process_time(), host_cpu_s())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
+        self._after = (group_cpu_s(), time.process_time(), host_cpu_s())
+        gc.callbacks.remove(self._gc_callback)
 
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
+    def figures(self) -> dict[str, Any]:
+        (group0, own0, host0), (group1, own1, host1) = self._before, self._after
+        group = group1 - group0 if group0 is not None and group1 is not None else None
+        busy, steal = (host1[0] - host0[0], host1[1] - host0[1]) if host0 is not None and host1 is not None else (None, None)
+        return {
+            "cpu_s": _round(group),
+            "front_cpu_s": _round(own1 - own0),
+            "other_cpu_s": _round(max(0.0, busy - group)) if busy is not None and group is not None else None,
+            "steal_s": _round(steal),
+            "gc_s": round(self.gc_s, 4),
+            "gc_collections": self.gc_collections,
+            "host_cpu_mhz": host_cpu_mhz(),
+        }
+
+    def _gc_callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._began = time.perf_counter()
-        elif self._began is not None:
-            self.seconds += time.perf_counter() - self._began
-            self.collections += 1
-            self._began = None
+            self._gc_began = time.perf_counter()
+        elif self._gc_began is not None:
+            self.gc_s += time.perf_counter() - self._gc_began
+            self.gc_collections += 1
+            self._gc_began = None
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 2)
+
+
+def host_cpu_s() -> tuple[float, float] | None:
+    """The machine's busy CPU seconds (user, nice, system, irq, softirq) and stolen ones, all CPUs together, since
+    boot, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is counted in user already)
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
+    steal = fields[7] if len(fields) > 7 else 0
+    tick = os.sysconf("SC_CLK_TCK")
+    return busy / tick, steal / tick
 
 
 def group_cpu_s(pgid: int | None = None) -> float | None:

@@ -118,6 +118,10 @@ def test_the_bench_waits_at_its_first_pass_until_told_to_go_and_repeats_its_time
     assert all(p["t"] >= let_go for p in passes)
     reps = res["repetitions"]
     assert len(reps) == 3 and all(r["wall_s"] >= PASS_S for r in reps)
+    # Each pass's clocks, read in the bench's own process as ours are (a stand-in pass sleeps: little CPU of its own).
+    for r in reps:
+        assert 0 <= r["front_cpu_s"] <= r["cpu_s"] + 0.05 and r["front_cpu_s"] < r["wall_s"]
+        assert r["other_cpu_s"] >= 0 and r["steal_s"] >= 0 and r["gc_collections"] >= 0
     assert res["output_tokens_per_s"] == pytest.approx(statistics.median(10 * 16 / r["wall_s"] for r in reps))
     assert res["total_tokens_per_s"] == pytest.approx(statistics.median(10 * 48 / r["wall_s"] for r in reps))
     assert res["requests_per_s"] == pytest.approx(statistics.median(10 / r["wall_s"] for r in reps))

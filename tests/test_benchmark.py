@@ -51,8 +51,11 @@ def test_transformers_in_spawned_process_measures_exact_fixed_length_output():
         # The engine's process group spent CPU time on the pass (its own process, at least, generating).
         assert rep["cpu_s"] is not None and 0 <= rep["cpu_s"] <= 2 * rep["wall_s"] * (os.cpu_count() or 1)
         assert rep["sm_clock_mhz"] is None  # no GPU here
-        # This process's garbage collections during the pass (its startup heap frozen before the passes).
+        # This process's garbage collections during the pass (its startup heap frozen before the passes), its own
+        # CPU seconds (the front end, a share of its group's) and what the rest of the machine used meanwhile.
         assert rep["gc_collections"] >= 0 and 0 <= rep["gc_s"] <= rep["wall_s"]
+        assert 0 <= rep["front_cpu_s"] <= rep["cpu_s"] + 0.05
+        assert rep["other_cpu_s"] is not None and rep["other_cpu_s"] >= 0 and rep["steal_s"] >= 0
     assert r.tpot_ms == statistics.median(rep["tpot_ms"] for rep in r.repetitions)
     assert r.tokens_per_s == statistics.median(rep["tokens_per_s"] for rep in r.repetitions)
     assert r.peak_memory_bytes > 0 and r.energy_j_per_token is None

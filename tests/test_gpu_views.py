@@ -61,7 +61,8 @@ def con(tmp_path):
         store.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
         store.record_speed(con, RUN, BASE, [
             _speed("vllm", "offline", 1000.0, 3000.0, device="NVIDIA H200",
-                   repetitions=[{"tokens_per_s": t, "wall_s": 1.0} for t in (900.0, 1000.0, 1200.0)]),
+                   repetitions=[{"tokens_per_s": t, "wall_s": 1.0, "other_cpu_s": o, "steal_s": 0.0}
+                                for t, o in ((900.0, 3.0), (1000.0, 0.5), (1200.0, 0.25))]),
             _speed("vllm-bench", "offline", 1100.0, 3300.0),
             _speed("transformers", "offline", 250.0, 750.0),
             _speed("vllm", "latency", 140.0, tpot_ms=7.0, decode_tokens_per_s=1000 / 7.0, bandwidth_gbps=4300.0,
@@ -133,6 +134,9 @@ def test_crosscheck_compares_like_for_like_and_engines_side_by_side(con):
     # Each side's passes: ours three; a bench row of before its passes were repeated is its one pass.
     assert (cc["ours_passes"], cc["ours_slowest_pass"], cc["ours_fastest_pass"]) == (3, 900.0, 1200.0)
     assert (cc["bench_passes"], cc["bench_slowest_pass"], cc["bench_fastest_pass"]) == (1, 1100.0, 1100.0)
+    # The CPU others took during each side's passes: ours the median of its three; the bench row has no such readings.
+    assert (cc["ours_other_cpu_s"], cc["ours_steal_s"]) == (0.5, 0.0)
+    assert (cc["bench_other_cpu_s"], cc["bench_steal_s"]) == (None, None)
 
     (cmp,) = store.rows(con, "SELECT * FROM engine_comparison")
     assert (cmp["variant"], cmp["weights"], cmp["vllm_over_transformers"]) == ("bf16", "dummy", 4.0)

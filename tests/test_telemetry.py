@@ -115,9 +115,9 @@ def test_group_cpu_s_counts_the_cpu_time_of_every_process_of_the_group():
         lone.communicate(b"\n", timeout=30)
 
 
-def test_gc_time_counts_the_collections_inside_its_block_and_a_frozen_heap_is_left_out_of_them():
-    """Real collections of real cycles: GcTime counts those made inside its block and their time; freeze_heap puts
-    what the process holds in the permanent generation, which no collection walks."""
+def test_pass_clocks_count_the_collections_inside_their_block_and_a_frozen_heap_is_left_out_of_them():
+    """Real collections of real cycles: PassClocks counts those made inside its block and their time; freeze_heap
+    puts what the process holds in the permanent generation, which no collection walks."""
     import gc
 
     class Node:
@@ -127,14 +127,33 @@ def test_gc_time_counts_the_collections_inside_its_block_and_a_frozen_heap_is_le
     held = [Node() for _ in range(20_000)]  # held: frozen, not garbage
     try:
         assert launch.freeze_heap() >= len(held)
-        with telemetry_module.GcTime() as timed:
+        with telemetry_module.PassClocks() as clocks:
             for _ in range(1000):
                 Node()  # garbage only a collection frees
             gc.collect()
-        assert timed.collections >= 1 and timed.seconds > 0
+        figures = clocks.figures()
+        assert figures["gc_collections"] >= 1 and figures["gc_s"] > 0
         assert gc.get_freeze_count() >= len(held)  # the held nodes stayed out of those collections
-        outside = timed.collections
+        outside = clocks.gc_collections
         gc.collect()
-        assert timed.collections == outside  # its callback is gone with the block
+        assert clocks.gc_collections == outside  # its callback is gone with the block
     finally:
         gc.unfreeze()
+
+
+def test_pass_clocks_split_the_cpu_between_this_process_its_group_and_the_rest_of_the_machine():
+    """This process spins for 0.6 s and a process outside its group for about 1 s inside the block: the first shows
+    in `front_cpu_s` and `cpu_s`, the other only in `other_cpu_s` (read from /proc/stat). Real processes, real
+    /proc; what else the machine runs meanwhile can only add to `other_cpu_s`."""
+    spin = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass"
+    with telemetry_module.PassClocks() as clocks:
+        other = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
+        end = time.process_time() + 0.6
+        while time.process_time() < end:
+            pass
+        other.wait(timeout=60)
+    figures = clocks.figures()
+    assert figures["front_cpu_s"] >= 0.55
+    assert figures["cpu_s"] >= figures["front_cpu_s"] - 0.05  # the group holds this process
+    assert figures["other_cpu_s"] >= 0.8  # the spinner, outside the group
+    assert figures["steal_s"] >= 0

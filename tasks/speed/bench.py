@@ -47,11 +47,13 @@ class BenchLoad:
     input_len: int
     output_len: int
 
-    def figures(self, seconds: float) -> dict[str, float]:
-        """One pass of `seconds`, counted as vLLM's bench counts its tokens."""
+    def figures(self, timed: dict[str, Any]) -> dict[str, Any]:
+        """One pass as the gate timed it (its seconds and clocks), counted as vLLM's bench counts its tokens."""
+        seconds = timed["seconds"]
+        clocks = {k: v for k, v in timed.items() if k != "seconds"}
         return {"wall_s": seconds, "tokens_per_s": self.num_prompts * self.output_len / seconds,
                 "total_tokens_per_s": self.num_prompts * (self.input_len + self.output_len) / seconds,
-                "requests_per_s": self.num_prompts / seconds}
+                "requests_per_s": self.num_prompts / seconds, **clocks}
 
 
 class StartedBench:
@@ -79,7 +81,7 @@ class StartedBench:
         data = json.loads(self._out_json.read_text())
         try:
             passes = [self._load.figures(t) for t in json.loads(self._times_file.read_text())]
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError, TypeError):
             raise ServingError(f"vllm bench throughput left no pass times in {self._times_file}") from None
         # vLLM's own timing spans every pass: its mean over them, beside the median of the passes the gate timed.
         own = output_tokens_per_s_from_log(read_log(self.log))

@@ -6,7 +6,8 @@ to how `vllm.LLM.generate` is called, not to what it does:
   engine's start (imports, engine core, compile, CUDA graphs: 82 s of the 105 s window the bench held in reference5)
   can share the GPU with unmeasured work like every other engine's, while the passes the bench times have it alone;
 - its timed `generate` runs `passes` times back to back with the same prompts and sampling parameters, each timed
-  with `time.perf_counter` around the call as vLLM's `run_vllm` times its one pass, the seconds written to a file.
+  with `time.perf_counter` around the call as vLLM's `run_vllm` times its one pass, the seconds written to a file
+  with where the CPU went meanwhile (telemetry.PassClocks, as our passes record it).
   One pass of a CPU-bound configuration moves by 5-20 % from one pass to the next (results/h200/README.md,
   reference6), so the bench is held against our repetitions with repetitions of its own. The bench's own
   `elapsed_time` then covers all of them.
@@ -14,8 +15,8 @@ to how `vllm.LLM.generate` is called, not to what it does:
 With GATE_ENV set to "READY_FD,GO_FD,TIMED_CALL,PASSES,TIMES_FILE" (pipe ends the parent passed down; the number of
 the timed `generate` call, 2 after a warm-up, else 1), the process writes one line to READY_FD when it reaches its
 first call and reads one from GO_FD: "go" lets it run, end of file (its parent gone) ends it. Without GATE_ENV it is
-vLLM's command line as it is. Only the standard library is imported before vLLM: this runs in the bench's process,
-not in quantgate's.
+vLLM's command line as it is. Only the standard library (and tasks/telemetry.py, which imports nothing else at load)
+is imported before vLLM: this runs in the bench's process, not in quantgate's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from quantgate.tasks.telemetry import PassClocks
 
 GATE_ENV = "QUANTGATE_BENCH_GATE"
 READY = b"ready\n"
@@ -54,13 +57,15 @@ def gate_generate(ready_fd: int, go_fd: int, timed_call: int, passes: int, times
                     raise SystemExit("bench gate: no go from the parent (it ended); the passes were not run")
         if calls != timed_call:
             return generate(self, *args, **kwargs)
-        seconds = []
+        timed = []
         for _ in range(passes):
-            began = time.perf_counter()
-            outputs = generate(self, *args, **kwargs)
-            seconds.append(time.perf_counter() - began)
+            with PassClocks() as clocks:
+                began = time.perf_counter()
+                outputs = generate(self, *args, **kwargs)
+                seconds = time.perf_counter() - began
+            timed.append({"seconds": seconds, **clocks.figures()})
         with open(times_file, "w") as f:
-            json.dump(seconds, f)
+            json.dump(timed, f)
         return outputs
 
     LLM.generate = gated  # type: ignore[method-assign]

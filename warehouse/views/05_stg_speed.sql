@@ -15,9 +15,14 @@ UNION ALL BY NAME
 SELECT s.* REPLACE (u.run_id AS run_id, u.variant_uid AS variant_uid)
 FROM stg_speed_reuse u JOIN speed_results s ON s.run_id = u.speed_run_id AND s.variant_uid = u.speed_variant_uid;
 
--- The speed rows with each measured pass's output tokens/s as a list (NULL for a row without passes, e.g. serving).
+-- The speed rows with, per measured pass, its output tokens/s and the CPU seconds the rest of the machine and the
+-- hypervisor took meanwhile (tasks/telemetry.PassClocks), as lists (NULL for a row without passes, e.g. serving;
+-- NULL entries for a pass of before those readings).
 CREATE OR REPLACE VIEW stg_speed_passes AS
-SELECT *, json_extract(repetitions, '$[*].tokens_per_s')::DOUBLE[] AS pass_tps FROM stg_speed_results;
+SELECT *, json_extract(repetitions, '$[*].tokens_per_s')::DOUBLE[] AS pass_tps,
+       json_extract(repetitions, '$[*].other_cpu_s')::DOUBLE[] AS pass_other_cpu_s,
+       json_extract(repetitions, '$[*].steal_s')::DOUBLE[] AS pass_steal_s
+FROM stg_speed_results;
 
 CREATE OR REPLACE VIEW stg_serving_loads AS
 SELECT * FROM serving_loads
