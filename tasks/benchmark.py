@@ -36,7 +36,13 @@ from quantgate.tasks.roofline import (
 )
 from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.errors import BenchmarkError
-from quantgate.tasks.speed.options import engine_options, resolve_device, sized_kv_cache, wants_random_weights
+from quantgate.tasks.speed.options import (
+    engine_options,
+    resolve_device,
+    sized_kv_cache,
+    start_memory_bytes,
+    wants_random_weights,
+)
 from quantgate.tasks.speed.prompts import make_prompt_sets
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.speed.vllm_cli import compile_cache_from_log
@@ -149,7 +155,7 @@ def run_scenarios(
             status, payload = launch.in_process_group(
                 _measure_group, (model_path, engine_name, items, used),
                 deadline - time.monotonic() if tried else timeout_s, log, name=f"quantgate-bench-{engine_name}",
-                start_alone=tried > 0,
+                start_alone=tried > 0, memory_bytes=start_memory_bytes(used, model_path, engine_name),
             )
         else:
             try:

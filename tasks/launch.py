@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from quantgate.tasks.errors import one_line
+from quantgate.tasks.telemetry import device_memory
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -39,6 +40,15 @@ SHARED_JOBS_PER_GPU = int(os.environ.get("QUANTGATE_SHARED_JOBS_PER_GPU", "6"))
 # How many speed jobs may have their engine loaded on one GPU at a time, waiting their turn to measure alone. Each
 # takes a KV cache sized to its scenarios' load (tasks/speed/options.sized_kv_cache): for a 1.5B model 1-14 GB.
 ENGINES_PER_GPU = int(os.environ.get("QUANTGATE_ENGINES_PER_GPU", "12"))
+# An engine's start beside other work leaves this share of the GPU's memory free for the unmeasured work that starts
+# after it: an lm-eval engine asks vLLM for 0.12 of the GPU free at its start (tasks/evaluators/lm_eval.py), a build
+# a few GiB. Without it the engines loaded early took the GPU to 7 GiB free, and later starts failed vLLM's
+# free-memory check (results/h200/reference7).
+START_HEADROOM = 0.15
+# Free memory moves without notice (other processes load and end): how often a start waiting for it looks again,
+# and how long it waits at most before it starts anyway and lets the engine say what is missing.
+MEMORY_POLL_S = 0.5
+MEMORY_WAIT_S = 900.0
 
 
 class LaunchError(RuntimeError):
@@ -78,31 +88,59 @@ def at_normal_priority(pgid: int = 0) -> None:
 
 
 class GpuClock:
-    """One GPU's time between the jobs of a run: work whose time is not measured (a build, an evaluation, KL, an
-    engine's start) shares the GPU; a speed measurement has it alone. A measurement waits until nothing shares
-    the GPU and no other measurement runs; shared work waits while a measurement runs. `abort` (an interrupt)
-    wakes every waiter with LaunchError."""
+    """One GPU's time and memory between the jobs of a run: work whose time is not measured (a build, an
+    evaluation, KL, an engine's start) shares the GPU; a speed measurement has it alone. A measurement waits until
+    nothing shares the GPU and no other measurement runs; shared work waits while a measurement runs. An engine's
+    start also says the memory it will take (`share(need_bytes)`), and waits until the GPU has that much free
+    beside what other starts have been promised, plus START_HEADROOM while other work shares the GPU; it waits
+    holding no share, so measurements go on meanwhile and free what their engines held. `abort` (an interrupt)
+    wakes every waiter with LaunchError. `memory`: the GPU's free and total bytes (None: not known, no wait)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: Callable[[], tuple[int, int] | None] = device_memory) -> None:
         self._cond = threading.Condition()
         self._sharing = 0
         self._alone = False
         self._aborted: str | None = None
         self._waiting: list[int] = []  # ranks of the measurements waiting
         self._held = threading.local()  # shares held by the calling thread
+        self._memory = memory
+        self._promised = 0  # bytes of starts under way, not yet (all) taken from the GPU's free memory
 
-    def share(self) -> None:
+    def share(self, need_bytes: int = 0) -> float:
+        """Share the GPU; with `need_bytes`, once that much memory is free for it. Returns the seconds waited for
+        memory."""
+        began = time.monotonic()
         with self._cond:
-            self._cond.wait_for(lambda: not self._alone or self._aborted)
-            self._raise_if_aborted()
+            while True:
+                self._cond.wait_for(lambda: not self._alone or self._aborted)
+                self._raise_if_aborted()
+                if self._room_for(need_bytes) or time.monotonic() - began >= MEMORY_WAIT_S:
+                    break
+                self._cond.wait(MEMORY_POLL_S)
             self._sharing += 1
+            self._promised += need_bytes
         self._held.shares = getattr(self._held, "shares", 0) + 1
+        return time.monotonic() - began if need_bytes else 0.0
 
-    def unshare(self) -> None:
+    def unshare(self, need_bytes: int = 0) -> None:
+        """The end of a share; `need_bytes` as given to its share (an engine that has started holds its memory)."""
         self._held.shares -= 1
         with self._cond:
             self._sharing -= 1
+            self._promised -= need_bytes
             self._cond.notify_all()
+
+    def _room_for(self, need_bytes: int) -> bool:
+        if need_bytes <= 0:
+            return True
+        memory = self._memory()
+        if memory is None:
+            return True
+        free, total = memory
+        if need_bytes > total:  # never: let the engine say so
+            return True
+        headroom = int(START_HEADROOM * total) if self._sharing else 0
+        return free - self._promised - headroom >= need_bytes
 
     def take(self, rank: int = 0) -> float:
         """Wait for the GPU alone and hold it; returns the seconds waited. Of the measurements waiting, the lowest
@@ -160,9 +198,10 @@ _GATE: tuple[Any, Any] | None = None
 
 
 @contextmanager
-def gpu_clock() -> Iterator[GpuClock]:
-    """A clock for one GPU, for the jobs started inside (threads that copy this context, as `jobs` does)."""
-    clock = GpuClock()
+def gpu_clock(memory: Callable[[], tuple[int, int] | None] = device_memory) -> Iterator[GpuClock]:
+    """A clock for one GPU, for the jobs started inside (threads that copy this context, as `jobs` does); `memory`
+    reads the GPU's free and total bytes (GpuClock)."""
+    clock = GpuClock(memory)
     token = _CLOCK.set(clock)
     with _SPAWNING:
         _CLOCKS.add(clock)
@@ -205,17 +244,18 @@ def ranked(rank: int) -> Iterator[None]:
 
 
 @contextmanager
-def sharing() -> Iterator[None]:
-    """What runs inside shares the GPU (unmeasured work); it waits while a measurement runs. No clock: no wait."""
+def sharing(need_bytes: int = 0) -> Iterator[None]:
+    """What runs inside shares the GPU (unmeasured work); it waits while a measurement runs, and for `need_bytes`
+    of free memory (an engine's start: GpuClock). No clock: no wait."""
     clock = _CLOCK.get()
     if clock is None:
         yield
         return
-    clock.share()
+    clock.share(need_bytes)
     try:
         yield
     finally:
-        clock.unshare()
+        clock.unshare(need_bytes)
 
 
 @contextmanager
@@ -400,7 +440,7 @@ def in_lanes(items: Iterable[T], lanes: Sequence[str | None], work: Callable[[T,
 
 def in_process_group(
     fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, log: Path | None = None, name: str = "quantgate",
-    start_alone: bool = False,
+    start_alone: bool = False, memory_bytes: int = 0,
 ) -> tuple[str, Any]:
     """fn(*args) in a fresh spawned process that leads its own process group, its output (and that of what it
     starts) to `log`: ("ok", what it returned), or ("failed", a one-line reason) when it raised, died, or did
@@ -409,8 +449,8 @@ def in_process_group(
     shares a CUDA context or allocator state.
 
     Under a GPU clock the process shares the GPU until it enters `measuring()`, and has it alone from then until
-    it has ended (`measuring` is entered once per process); `start_alone` holds the GPU alone from the start (a
-    retry after running out of memory)."""
+    it has ended (`measuring` is entered once per process); it starts once the GPU has `memory_bytes` free for it
+    (GpuClock.share); `start_alone` holds the GPU alone from the start (a retry after running out of memory)."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     go_in, go_out = ctx.Pipe(duplex=False)
@@ -427,7 +467,7 @@ def in_process_group(
         if start_alone:
             waited, alone = clock.take(_RANK.get()), True
         else:
-            clock.share()
+            clock.share(memory_bytes)
             shared = True
     began = time.monotonic()
     proc.start()
@@ -437,7 +477,7 @@ def in_process_group(
         answer = _answer_within(receiver, proc, timeout_s)
         if answer is not None and answer[0] == "ready":  # loaded: it measures with the GPU alone
             if shared:
-                clock.unshare()  # type: ignore[union-attr]
+                clock.unshare(memory_bytes)  # type: ignore[union-attr]
                 shared = False
             if clock is not None and not alone:
                 waited, alone = clock.take(_RANK.get()), True
@@ -452,7 +492,7 @@ def in_process_group(
         receiver.close()
         go_out.close()
         if shared:
-            clock.unshare()  # type: ignore[union-attr]
+            clock.unshare(memory_bytes)  # type: ignore[union-attr]
         if alone:
             clock.give()  # type: ignore[union-attr]
 

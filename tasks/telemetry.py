@@ -348,6 +348,23 @@ def nvml_device_name() -> str | None:
         pynvml.nvmlShutdown()
 
 
+def device_memory() -> tuple[int, int] | None:
+    """The visible GPU's free and total memory in bytes, through NVML (no CUDA context); None without NVML or a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(_visible_device(pynvml))
+        return int(info.free), int(info.total)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         import torch

@@ -15,7 +15,12 @@ import pytest
 from quantgate.catalog.schema import LatencyScenario, OfflineScenario, ServingScenario
 from quantgate.tasks import launch
 from quantgate.tasks.engines import EngineOptions
-from quantgate.tasks.speed.options import SIZED_GPU_MEMORY_UTILIZATION, sized_kv_cache
+from quantgate.tasks.speed.options import (
+    ENGINE_OVERHEAD_BYTES,
+    SIZED_GPU_MEMORY_UTILIZATION,
+    sized_kv_cache,
+    start_memory_bytes,
+)
 from quantgate.tasks.speed.retry import fallback_options
 
 
@@ -163,6 +168,11 @@ def test_the_kv_cache_is_sized_to_the_scenarios_whole_load(tmp_path):
     assert sized_kv_cache(EngineOptions("cpu", "float32"), tmp_path, [offline]).kv_cache_memory_bytes is None
     # Its retry after running out of memory is the same start, made with the GPU alone.
     assert fallback_options(sized, "vllm", 384) == [sized, sized]
+    # The memory its start is admitted for: the weights as stored, the KV cache, the engine's overhead (vLLM's
+    # free-memory share at start needs NVML, which this machine lacks: there the larger of the two counts).
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
+    assert start_memory_bytes(sized, tmp_path, "vllm") == 4096 + sized.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES
+    assert start_memory_bytes(EngineOptions("cpu", "float32"), tmp_path, "transformers") == 0
 
 
 def test_a_server_started_beside_other_work_runs_at_the_niceness_asked(tmp_path):
@@ -199,3 +209,111 @@ def test_waiting_measurements_go_in_the_order_of_their_checkpoints():
         for t in threads:
             t.join(5)
     assert order == [0, 1, 2]
+
+
+class _GpuMemory:
+    """The memory a GPU would report (NVML, which a CPU machine lacks): 100 GiB, less what the holders hold."""
+
+    total = 100 << 30
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, name: str, gib: int) -> None:
+        with self._lock:
+            self.held[name] = gib << 30
+
+    def free(self, name: str) -> None:
+        with self._lock:
+            self.held.pop(name, None)
+
+    def read(self) -> tuple[int, int]:
+        with self._lock:
+            return self.total - sum(self.held.values()), self.total
+
+
+def test_an_engine_start_waits_for_its_memory_while_measurements_go_on_and_free_it():
+    """An engine loaded earlier holds 75 GiB and waits to measure; a start that needs 30 GiB (25 free) waits, holding
+    no share, so the loaded engine measures when the unmeasured work ends, frees its memory, and the start goes.
+    Real threads and the real clock; the GPU's memory is the stand-in above."""
+    import contextvars
+
+    memory = _GpuMemory()
+    memory.take("loaded", 75)
+    events: list[str] = []
+    with launch.gpu_clock(memory.read):
+        def start() -> None:
+            with launch.sharing(30 << 30):
+                events.append("start")
+                memory.take("started", 30)
+
+        def measure_loaded() -> None:
+            with launch.measuring():
+                events.append("measure")
+                time.sleep(0.2)
+                memory.free("loaded")  # its process ends with its measurement
+            events.append("measured")
+
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(fn,)) for fn in (start, measure_loaded)]
+        with launch.sharing():  # the unmeasured work
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+            assert events == []  # the start waits for memory, the measurement for the unmeasured work
+        for t in threads:
+            t.join(10)
+    assert events == ["measure", "measured", "start"]
+    assert memory.held == {"started": 30 << 30}
+
+
+def test_beside_unmeasured_work_a_start_leaves_room_for_it():
+    """60 GiB held, 40 free, a start of 30: while unmeasured work shares the GPU, 15 % of it (15 GiB) stays free for
+    that work's own starts, so the start waits; when that work has ended it goes, with 40 free."""
+    import contextvars
+
+    memory = _GpuMemory()
+    memory.take("loaded", 60)
+    started = threading.Event()
+    with launch.gpu_clock(memory.read):
+        def start() -> None:
+            with launch.sharing(30 << 30):
+                started.set()
+
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(start,))
+        with launch.sharing():  # the unmeasured work
+            thread.start()
+            assert not started.wait(0.5)
+        assert started.wait(5)
+        thread.join(5)
+
+
+def test_two_starts_are_not_promised_the_same_free_memory_and_the_headroom_applies_only_beside_other_work():
+    """70 GiB free and two starts of 40 GiB each, nothing else sharing: the first is let in and the second waits
+    until the first has its memory and the engine the first started ends; a start of more than the GPU holds does
+    not wait (the engine will say what is missing), nor one whose GPU memory is not known."""
+    import contextvars
+
+    memory = _GpuMemory()
+    memory.take("other", 30)
+    began: dict[str, float] = {}
+    with launch.gpu_clock(memory.read):
+        def start(name: str) -> None:
+            with launch.sharing(40 << 30):
+                began[name] = time.monotonic()
+                memory.take(name, 40)
+                time.sleep(0.3)  # loading: its 40 GiB promised and taken at once here
+            time.sleep(0.2)  # loaded, then ended
+            memory.free(name)
+
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(start, n)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        first, second = sorted(began.values())
+        assert second - first >= 0.45  # the second started once the first's engine had ended
+        with launch.sharing(200 << 30):  # more than the GPU has: no wait
+            pass
+    with launch.gpu_clock(lambda: None), launch.sharing(200 << 30):  # memory not known: no wait
+        pass

@@ -24,6 +24,7 @@ from quantgate.tasks import launch
 from quantgate.tasks.engines import EngineOptions
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.speed.errors import ServingError
+from quantgate.tasks.speed.options import start_memory_bytes
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.processes import end_group, group_alive, log_tail, spawn_session
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
@@ -220,7 +221,7 @@ def bench_scenario(
                 with launch.measuring() as window, begin(0) as bench:
                     return measure(bench, window)
             # Its start beside unmeasured work, at its lower CPU priority, like every engine's; its passes alone.
-            with launch.sharing():
+            with launch.sharing(start_memory_bytes(used, model_path, "vllm")):
                 bench = begin(launch.start_niceness())
             with bench, launch.measuring() as window:
                 return measure(bench, window)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from quantgate.tasks.engines import EngineOptions
 from quantgate.tasks.roofline import kv_bytes_per_token
 from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.errors import BenchmarkError
+from quantgate.tasks.telemetry import device_memory
 
 # Room over the scenarios' whole load in the KV cache: vLLM allocates whole blocks, and CUDA-graph padding and the
 # scheduler's look-ahead take a little more than the tokens themselves.
@@ -19,6 +21,9 @@ KV_HEADROOM = 1.25
 MIN_KV_CACHE_BYTES = 1 << 30
 # With a sized KV cache this only sets the free memory vLLM asks for at start, while other jobs hold the rest.
 SIZED_GPU_MEMORY_UTILIZATION = 0.1
+# What an engine holds besides its weights and KV cache: the CUDA context, its profile run's activations, CUDA
+# graphs, library workspaces.
+ENGINE_OVERHEAD_BYTES = 3 << 30
 
 
 def resolve_device(device: str) -> str:
@@ -84,3 +89,16 @@ def sized_kv_cache(opts: EngineOptions, model_path: str | Path, scenarios: Seque
     per_token = kv_bytes_per_token(config, 4 if opts.dtype == "float32" else 2)
     return dataclasses.replace(opts, kv_cache_memory_bytes=max(MIN_KV_CACHE_BYTES, int(tokens * per_token * KV_HEADROOM)),
                                gpu_memory_utilization=SIZED_GPU_MEMORY_UTILIZATION)
+
+
+def start_memory_bytes(opts: EngineOptions, model_path: str | Path, engine_name: str) -> int:
+    """The GPU memory an engine's start will take, for its admission beside other work (tasks/launch.GpuClock): its
+    weights as stored, its KV cache where sized, and ENGINE_OVERHEAD_BYTES; for vLLM at least the share of the GPU
+    it asks to find free at start (gpu_memory_utilization). 0 off a GPU."""
+    if opts.device != "cuda":
+        return 0
+    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    need = weights + (opts.kv_cache_memory_bytes or 0) + ENGINE_OVERHEAD_BYTES
+    if engine_name == "vllm" and (memory := device_memory()) is not None:
+        need = max(need, math.ceil(opts.gpu_memory_utilization * memory[1]))
+    return need

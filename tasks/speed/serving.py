@@ -20,6 +20,7 @@ from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.client import RequestRecord, ServingLoad, run_load
 from quantgate.tasks.speed.errors import ServingError
 from quantgate.tasks.speed.metrics import Slo, summarize
+from quantgate.tasks.speed.options import start_memory_bytes
 from quantgate.tasks.speed.preflight import preflight
 from quantgate.tasks.speed.prompts import make_prompts
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
@@ -90,7 +91,8 @@ def serve_scenario(
             if tried:  # after running out of memory: started with the GPU alone, nothing else loading
                 with launch.measuring() as window, serve(used, log) as server:
                     return measure(server, window, log)
-            with launch.sharing():  # beside unmeasured work, at its lower CPU priority
+            # Beside unmeasured work, at its lower CPU priority, once the GPU has the memory it will take.
+            with launch.sharing(start_memory_bytes(used, model_path, "vllm")):
                 server = serve(used, log, launch.start_niceness())
             with server, launch.measuring() as window:
                 return measure(server, window, log)

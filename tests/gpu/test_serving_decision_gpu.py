@@ -4,7 +4,9 @@ the loads, variant_serving picks each one's tuned point, and the decision's serv
 tests/test_sweep_cost.py checks the view's picks on chosen timings; this checks the real path. The second point,
 a lower max_num_seqs, is one the sweep skips on real readings: the defaults' KV cache (read from the server's
 log) holds the highest load whole and the generous SLO is met at every load, so it cannot change the outcome
-(two eager starts, ~1-2 min; tests/gpu/test_sweep_gpu.py runs every point of a W4A16 sweep)."""
+(two eager starts, ~1-2 min; tests/gpu/test_sweep_gpu.py runs every point of a W4A16 sweep). Its servers' KV
+caches are sized (no gpu_memory_utilization of their own), so vLLM does not profile free memory at their start,
+which other test workers' engines coming and going on the same GPU upset (gpu-tests/call-s12-all.txt)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ pytestmark = [
 ]
 
 SCENARIO = {"kind": "serving", "engines": ["vllm"], "num_prompts": 8, "input_len": 32, "output_len": 16,
-            "max_model_len": 64, "gpu_memory_utilization": 0.2, "enforce_eager": True, "concurrency": [1, 8],
+            "max_model_len": 64, "enforce_eager": True, "concurrency": [1, 8],
             "rounds": 1, "slo": {"ttft_ms": 10_000, "tpot_ms": 1_000}, "sweep": {"max_num_seqs": [4]}}
 
 
