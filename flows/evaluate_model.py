@@ -27,14 +27,14 @@ from quantgate.catalog.schema import (
 from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.flows.speed_plan import SpeedPlan
-from quantgate.tasks import faults, launch
+from quantgate.tasks import faults, gpu_memory, launch
 from quantgate.tasks.caching import build_cached, check_calibration_cached, download_cached
 from quantgate.tasks.calibration import CalibrationError
 from quantgate.tasks.decide import decide_task
 from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_reports_task
 from quantgate.tasks.download import DownloadError
 from quantgate.tasks.errors import one_line
-from quantgate.tasks.evaluate import eval_key, evaluate_task
+from quantgate.tasks.evaluate import eval_key, evaluate_task, start_memory_bytes
 from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
 from quantgate.warehouse import store
@@ -261,14 +261,17 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
         speed = _SpeedStage(run, plan, spec, cat, root, engines, remeasure, lanes, engine_pool if early else None)
         # The unmeasured phase, its jobs and KL, holds a share of the GPU from here to KL's end, so no measurement
         # slips into a gap between its jobs (on the H200, measurements that did kept KL waiting behind them).
-        with launch.sharing():
+        # Each evaluation is promised the memory its engine asks to find free at start, until it has loaded: the
+        # speed engines started beside take what is left.
+        with launch.sharing(), gpu_memory.promised_memory(
+                1 + len(spec.variants), start_memory_bytes(setup.backend, setup.device)) as evals:
             with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
-                base_quality = pool.submit(_quality, run, base, suite, setup, spec, True)
+                base_quality = pool.submit(_quality, run, base, suite, setup, spec, True, evals)
                 if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
                     base_quality.result()
                 builds = [pool.submit(_build_and_evaluate, run, model, cat.variants[name],
                                       cat.calibration_for(spec, cat.variants[name]), spec, root, suite, setup,
-                                      speed.ready)
+                                      speed.ready, evals)
                           for name in spec.variants]
                 speed.ready(base)  # after the builds, which start first: the slowest build is the critical path
                 base_quality.result()  # raises ModelOutputError when the base's outputs are not finite
@@ -314,8 +317,8 @@ def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArti
 
 
 def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, calib: CalibrationSpec, spec: ModelSpec,
-                        root: Path, suite: SuiteSpec, setup: EvalSetup,
-                        ready: Callable[[VariantArtifact], None]) -> tuple[VariantArtifact, bool]:
+                        root: Path, suite: SuiteSpec, setup: EvalSetup, ready: Callable[[VariantArtifact], None],
+                        evals: gpu_memory.MemoryPromise) -> tuple[VariantArtifact, bool]:
     """A variant built (or reused) with calibration set `calib`, announced `ready`, and evaluated: (variant, usable
     for the next stages)."""
     log = get_run_logger()
@@ -339,12 +342,14 @@ def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, cal
     if not variant.ok:
         return variant, False
     ready(variant)
-    return variant, _quality(run, variant, suite, setup, spec, False)
+    return variant, _quality(run, variant, suite, setup, spec, False, evals)
 
 
-def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, spec: ModelSpec, is_base: bool) -> bool:
+def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, spec: ModelSpec, is_base: bool,
+             evals: gpu_memory.MemoryPromise) -> bool:
     """The suite on one checkpoint, stored with its mark; False when its outputs are not finite (the variant
-    is failed with that reason; for the base it is an error: nothing can be judged against it)."""
+    is failed with that reason; for the base it is an error: nothing can be judged against it). Its unit of
+    `evals` is settled once its engine has loaded."""
     key = eval_key(suite, setup.backend, setup.dtype)
 
     def stored(con: Any) -> list[MetricResult] | None:
@@ -371,8 +376,9 @@ def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, 
     reports: dict[str, QualityReport] = {}
     if run.is_done("evaluate", v.uid):
         return not run.read(lambda con: store.variant_failed(con, v.uid))
-    metrics = run.step("evaluate", v.uid, stored=stored, compute=compute, write=write, starts=lambda _: 1,
-                       label=v.name)
+    with gpu_memory.settles_on_load(evals):
+        metrics = run.step("evaluate", v.uid, stored=stored, compute=compute, write=write, starts=lambda _: 1,
+                           label=v.name)
     if bad := _nonfinite(metrics):
         if is_base:
             raise ModelOutputError(f"{spec.id}: the base model's outputs are not finite ({bad})")

@@ -21,6 +21,11 @@ def eval_key(suite: SuiteSpec, backend: Backend = "hf", dtype: str = "float32") 
     return evaluator.eval_key(suite, backend, dtype)
 
 
+def start_memory_bytes(backend: str, device: str) -> int:
+    """The GPU memory an evaluation's engine asks to find free when it starts (0 where nothing checks)."""
+    return evaluator.start_memory_bytes(backend, device)
+
+
 def evaluate_variant(
     model_path: str,
     suite: SuiteSpec,

@@ -104,7 +104,8 @@ class GpuClock:
         self._waiting: list[int] = []  # ranks of the measurements waiting
         self._held = threading.local()  # shares held by the calling thread
         self._memory = memory
-        self._promised = 0  # bytes of starts under way, not yet (all) taken from the GPU's free memory
+        # Bytes held for starts under way and for unmeasured work yet to start, not yet (all) taken from the GPU.
+        self._promised = 0
 
     def share(self, need_bytes: int = 0) -> float:
         """Share the GPU; with `need_bytes`, once that much memory is free for it. Returns the seconds waited for
@@ -128,6 +129,17 @@ class GpuClock:
         with self._cond:
             self._sharing -= 1
             self._promised -= need_bytes
+            self._cond.notify_all()
+
+    def promise(self, n_bytes: int) -> None:
+        """Hold `n_bytes` of the free memory for work that has yet to take it (engine starts wait beside it)."""
+        with self._cond:
+            self._promised += n_bytes
+
+    def settle(self, n_bytes: int) -> None:
+        """The work `promise` held memory for has taken it (or will not): the hold ends."""
+        with self._cond:
+            self._promised -= n_bytes
             self._cond.notify_all()
 
     def _room_for(self, need_bytes: int) -> bool:
@@ -211,6 +223,11 @@ def gpu_clock(memory: Callable[[], tuple[int, int] | None] = device_memory) -> I
         _CLOCK.reset(token)
         with _SPAWNING:
             _CLOCKS.discard(clock)
+
+
+def current_clock() -> GpuClock | None:
+    """The GPU clock of the jobs running in this context, if any (gpu_clock)."""
+    return _CLOCK.get()
 
 
 def starts_beside() -> bool:

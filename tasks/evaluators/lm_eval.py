@@ -24,8 +24,10 @@ from typing import Any, Literal
 import yaml
 
 from quantgate.catalog.schema import LOCAL_TASKS_DIR, LocalTask, SuiteSpec
+from quantgate.tasks import gpu_memory
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
+from quantgate.tasks.telemetry import device_memory
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ PROMPT_CHARS = 8000  # of each example prompt kept in the eval config
 BOOTSTRAP_ITERS = 1000  # lm-eval's default (100,000) makes bootstrapped stderrs (bleu, ...) take minutes
 
 Backend = Literal["hf", "vllm"]
+LOADED_POLL_S = 0.5
 
 
 class EvaluationError(RuntimeError):
@@ -129,10 +132,11 @@ def evaluate(
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="quantgate-lm-eval-") as tmp:
         request_file, result_file = Path(tmp, "request.json"), Path(tmp, "result.json")
-        request_file.write_text(json.dumps(request))
-        proc = subprocess.run([sys.executable, "-m", __name__, str(request_file), str(result_file)], env=env)
+        request_file.write_text(json.dumps({**request, "loaded_file": str(Path(tmp, "loaded"))}))
+        returncode = _run_process([sys.executable, "-m", __name__, str(request_file), str(result_file)], env,
+                                  Path(tmp, "loaded"))
         if not result_file.is_file():
-            raise EvaluationError(f"the lm-eval process exited with code {proc.returncode} before writing results")
+            raise EvaluationError(f"the lm-eval process exited with code {returncode} before writing results")
         out = json.loads(result_file.read_text())
     if "error" in out:
         raise EvaluationError(out["error"])
@@ -147,6 +151,24 @@ def evaluate(
         samples=[SampleResult(**s) for s in out["samples"]],
         seconds=seconds,
     )
+
+
+def _run_process(cmd: list[str], env: dict[str, str], loaded: Path) -> int:
+    """Run the evaluation process to its end; once it says its model has loaded (the `loaded` file), tell the
+    launcher (gpu_memory.engine_loaded: memory held for its start is free for others). An interrupt ends it too."""
+    proc = subprocess.Popen(cmd, env=env)
+    said = False
+    try:
+        while proc.poll() is None:
+            if not said and loaded.exists():
+                gpu_memory.engine_loaded()
+                said = True
+            time.sleep(LOADED_POLL_S)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc.returncode
 
 
 def _check_chat_template(model_path: str, tasks: list[str], trust_remote_code: bool) -> None:
@@ -284,6 +306,7 @@ def _run(request: dict) -> dict:
         lm = get_model(backend).create_from_arg_obj(model_args, extra)
     except Exception as e:
         raise EvaluationError(f"could not load {request['model_path']} with lm-eval's {backend!r} backend: {one_line(e)}") from None
+    Path(request["loaded_file"]).touch()  # the parent tells the launcher: this engine's memory is taken
 
     metrics: list[dict] = []
     samples: list[dict] = []
@@ -324,6 +347,8 @@ def _example_prompt(results: dict) -> dict[str, str]:
 # The KV cache of an evaluation engine: far more than lm-eval's longest request needs (a 1.5B model with
 # 2 KV heads stores ~28 KiB per token, so 300K tokens), a small share of an H200.
 EVAL_KV_CACHE_BYTES = 8 * 2**30
+# The free memory an evaluation engine asks for at start, as a share of the GPU (its weights and KV cache fit).
+EVAL_GPU_MEMORY_UTILIZATION = 0.12
 
 
 def shared_gpu_engine_args() -> dict[str, Any]:
@@ -338,12 +363,21 @@ def shared_gpu_engine_args() -> dict[str, Any]:
     meanwhile; the utilization then only sets the free memory vLLM checks for at start."""
     from vllm.engine.arg_utils import EngineArgs
 
-    args: dict[str, Any] = {"enforce_eager": True, "gpu_memory_utilization": 0.12}
+    args: dict[str, Any] = {"enforce_eager": True, "gpu_memory_utilization": EVAL_GPU_MEMORY_UTILIZATION}
     if "kv_cache_memory_bytes" in getattr(EngineArgs, "__dataclass_fields__", {}):
         args["kv_cache_memory_bytes"] = EVAL_KV_CACHE_BYTES
     else:  # an older vLLM: profile, with room left for the others
         args["gpu_memory_utilization"] = 0.3
     return args
+
+
+def start_memory_bytes(backend: str, device: str) -> int:
+    """The GPU memory an evaluation engine asks to find free at its start (vLLM's gpu_memory_utilization of the
+    GPU, which holds its weights and fixed KV cache for a model of a few billion parameters); 0 where nothing
+    checks (the hf backend, a CPU, no NVML)."""
+    if backend != "vllm" or device != "cuda" or (memory := device_memory()) is None:
+        return 0
+    return math.ceil(EVAL_GPU_MEMORY_UTILIZATION * memory[1])
 
 
 def _load_time_model(request: dict) -> Any:

@@ -19,8 +19,10 @@ from quantgate.tasks.telemetry import device_memory
 # scheduler's look-ahead take a little more than the tokens themselves.
 KV_HEADROOM = 1.25
 MIN_KV_CACHE_BYTES = 1 << 30
-# With a sized KV cache this only sets the free memory vLLM asks for at start, while other jobs hold the rest.
-SIZED_GPU_MEMORY_UTILIZATION = 0.1
+# With a sized KV cache this only sets the free memory vLLM asks for at start, while other jobs hold the rest; what
+# the engine takes is admitted beside them on its own count (start_memory_bytes), so the check asks little: a 1.5B
+# model's engine with a small cache takes about 7 GB of an H200's 141.
+SIZED_GPU_MEMORY_UTILIZATION = 0.05
 # What an engine holds besides its weights and KV cache: the CUDA context, its profile run's activations, CUDA
 # graphs, library workspaces.
 ENGINE_OVERHEAD_BYTES = 3 << 30
