@@ -91,10 +91,12 @@ class GpuClock:
     """One GPU's time and memory between the jobs of a run: work whose time is not measured (a build, an
     evaluation, KL, an engine's start) shares the GPU; a speed measurement has it alone. A measurement waits until
     nothing shares the GPU and no other measurement runs; shared work waits while a measurement runs. An engine's
-    start also says the memory it will take (`share(need_bytes)`), and waits until the GPU has that much free
-    beside what other starts have been promised, plus START_HEADROOM while other work shares the GPU; it waits
-    holding no share, so measurements go on meanwhile and free what their engines held. `abort` (an interrupt)
-    wakes every waiter with LaunchError. `memory`: the GPU's free and total bytes (None: not known, no wait)."""
+    start also says the memory it will take (`share(need_bytes, rank)`), and waits until the GPU has that much free
+    beside what is promised to other starts and to work yet to start, plus START_HEADROOM while other work shares
+    the GPU, and until no start of a lower rank waits (a run's checkpoints in order: the engines measured first
+    load first, and what starts last is what was measured last); it waits holding no share, so measurements go on
+    meanwhile and free what their engines held. `abort` (an interrupt) wakes every waiter with LaunchError.
+    `memory`: the GPU's free and total bytes (None: not known, no wait)."""
 
     def __init__(self, memory: Callable[[], tuple[int, int] | None] = device_memory) -> None:
         self._cond = threading.Condition()
@@ -102,22 +104,32 @@ class GpuClock:
         self._alone = False
         self._aborted: str | None = None
         self._waiting: list[int] = []  # ranks of the measurements waiting
+        self._starting: list[int] = []  # ranks of the starts waiting for memory
         self._held = threading.local()  # shares held by the calling thread
         self._memory = memory
         # Bytes held for starts under way and for unmeasured work yet to start, not yet (all) taken from the GPU.
         self._promised = 0
 
-    def share(self, need_bytes: int = 0) -> float:
-        """Share the GPU; with `need_bytes`, once that much memory is free for it. Returns the seconds waited for
-        memory."""
+    def share(self, need_bytes: int = 0, rank: int = 0) -> float:
+        """Share the GPU; with `need_bytes`, once that much memory is free for it and no start of a lower `rank`
+        waits. Returns the seconds waited for memory."""
         began = time.monotonic()
         with self._cond:
-            while True:
-                self._cond.wait_for(lambda: not self._alone or self._aborted)
-                self._raise_if_aborted()
-                if self._room_for(need_bytes) or time.monotonic() - began >= MEMORY_WAIT_S:
-                    break
-                self._cond.wait(MEMORY_POLL_S)
+            if need_bytes > 0:
+                self._starting.append(rank)
+            try:
+                while True:
+                    self._cond.wait_for(lambda: not self._alone or self._aborted)
+                    self._raise_if_aborted()
+                    if need_bytes <= 0 or time.monotonic() - began >= MEMORY_WAIT_S:
+                        break
+                    if rank == min(self._starting) and self._room_for(need_bytes):
+                        break
+                    self._cond.wait(MEMORY_POLL_S)
+            finally:
+                if need_bytes > 0:
+                    self._starting.remove(rank)
+                    self._cond.notify_all()
             self._sharing += 1
             self._promised += need_bytes
         self._held.shares = getattr(self._held, "shares", 0) + 1
@@ -143,8 +155,6 @@ class GpuClock:
             self._cond.notify_all()
 
     def _room_for(self, need_bytes: int) -> bool:
-        if need_bytes <= 0:
-            return True
         memory = self._memory()
         if memory is None:
             return True
@@ -268,7 +278,7 @@ def sharing(need_bytes: int = 0) -> Iterator[None]:
     if clock is None:
         yield
         return
-    clock.share(need_bytes)
+    clock.share(need_bytes, _RANK.get())
     try:
         yield
     finally:
@@ -484,7 +494,7 @@ def in_process_group(
         if start_alone:
             waited, alone = clock.take(_RANK.get()), True
         else:
-            clock.share(memory_bytes)
+            clock.share(memory_bytes, _RANK.get())
             shared = True
     began = time.monotonic()
     proc.start()

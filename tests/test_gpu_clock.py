@@ -317,3 +317,32 @@ def test_two_starts_are_not_promised_the_same_free_memory_and_the_headroom_appli
             pass
     with launch.gpu_clock(lambda: None), launch.sharing(200 << 30):  # memory not known: no wait
         pass
+
+
+def test_starts_waiting_for_memory_go_in_the_order_of_their_checkpoints():
+    """Nothing fits at first; a small start of checkpoint 2 asks before a large one of checkpoint 0. When 40 GiB
+    free up, the large one goes first (its checkpoint is measured first) and the small one after it, though it
+    would have fit alone."""
+    import contextvars
+
+    memory = _GpuMemory()
+    memory.take("loaded", 97)
+    order: list[str] = []
+    with launch.gpu_clock(memory.read):
+        def start(name: str, rank: int, gib: int, delay: float) -> None:
+            time.sleep(delay)
+            with launch.ranked(rank), launch.sharing(gib << 30):
+                order.append(name)
+                memory.take(name, gib)
+
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(start, *args))
+                   for args in (("small", 2, 5, 0.0), ("large", 0, 30, 0.2))]
+        for t in threads:
+            t.start()
+        time.sleep(0.6)
+        assert order == []
+        memory.free("loaded")
+        memory.take("loaded", 60)
+        for t in threads:
+            t.join(10)
+    assert order == ["large", "small"]

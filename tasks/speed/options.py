@@ -24,8 +24,9 @@ MIN_KV_CACHE_BYTES = 1 << 30
 # model's engine with a small cache takes about 7 GB of an H200's 141.
 SIZED_GPU_MEMORY_UTILIZATION = 0.05
 # What an engine holds besides its weights and KV cache: the CUDA context, its profile run's activations, CUDA
-# graphs, library workspaces.
-ENGINE_OVERHEAD_BYTES = 3 << 30
+# graphs, library workspaces (3.0-3.6 GiB for the reference model's vLLM engines in reference6: NVML's peak less
+# the weights and the KV cache).
+ENGINE_OVERHEAD_BYTES = 3584 << 20
 
 
 def resolve_device(device: str) -> str:
