@@ -111,6 +111,18 @@ def test_the_one_oom_retry_reads_the_cause_from_the_log_and_counts_every_start(t
     late = retry_on_oom(ladder, 0.0, lambda used, n: Failure("CUDA out of memory"))
     assert (other.error, other.attempts, other.engine_starts) == ("ValueError: unknown quantization method", [], 1)
     assert (late.used, late.attempts, late.engine_starts) == (ladder[0], [], 1)
+    # Memory freed by another process while vLLM profiled says nothing of the engine's size: once more as it was.
+    raced = []
+
+    def raced_once(used, n):
+        raced.append(used)
+        return "measured" if n == 1 else Failure("AssertionError: Error in memory profiling. Initial free memory 137.85"
+                                                 " GiB, current free memory 138.38 GiB.")
+
+    again = retry_on_oom(ladder, float("inf"), raced_once)
+    assert (again.value, raced, again.engine_starts) == ("measured", [ladder[0], ladder[0]], 2)
+    always = retry_on_oom(ladder, float("inf"), lambda used, n: Failure("AssertionError: Error in memory profiling."))
+    assert [a["gpu_memory_utilization"] for a in always.attempts] == [0.8, 0.8, 0.6, 0.6] and always.exhausted
 
 # --- which run a rerun resumes -------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from quantgate.tasks.engines import EngineOptions
-from quantgate.tasks.speed.vllm_cli import looks_like_oom, read_log, root_cause
+from quantgate.tasks.speed.vllm_cli import looks_like_oom, looks_like_profiling_race, read_log, root_cause
 
 T = TypeVar("T")
 
@@ -70,9 +70,12 @@ def retry_on_oom(
     options: Sequence[EngineOptions], deadline: float, start: Callable[[EngineOptions, int], T | Failure]
 ) -> Retried[T]:
     """start(options, number of tries so far) for each options in turn, until one returns a value, or a
-    Failure that is not out of memory (in its reason or its log), or the monotonic `deadline` has passed."""
+    Failure that is not out of memory (in its reason or its log), or the monotonic `deadline` has passed. A start
+    upset by another process freeing memory while vLLM profiled is tried once more with the same options: smaller
+    ones would not have helped."""
     attempts: list[dict[str, Any]] = []
-    for used in options:
+    tries, raced = list(options), False
+    for i, used in enumerate(tries):
         got = start(used, len(attempts))
         if not isinstance(got, Failure):
             return Retried(got, used, None, attempts)
@@ -82,4 +85,7 @@ def retry_on_oom(
             return Retried(None, used, reason, attempts, log=got.log)
         attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
                          "max_model_len": used.max_model_len, "error": reason})
+        if not raced and (looks_like_profiling_race(reason) or looks_like_profiling_race(log_text)):
+            tries.insert(i + 1, used)
+            raced = True
     return Retried(None, used, attempts[-1]["error"], attempts, exhausted=True)

@@ -118,8 +118,16 @@ _EXCEPTION_LINE = re.compile(
 )
 
 
+# Of those, the one that says nothing about the engine's size: another process freed memory while vLLM profiled.
+_PROFILING_RACE = re.compile(r"Error in memory profiling")
+
+
 def looks_like_oom(text: str | None) -> bool:
     return bool(text and _OOM.search(text))
+
+
+def looks_like_profiling_race(text: str | None) -> bool:
+    return bool(text and _PROFILING_RACE.search(text))
 
 
 def root_cause(log_text: str) -> str | None:
