@@ -168,6 +168,8 @@ def run_scenarios(
     used, attempts, payload = tried.used, tried.attempts, tried.value
     # Every row of the group shares these starts: the one load, and one more per out-of-memory retry.
     details: dict[str, Any] = {"engine_starts": tried.engine_starts}
+    if isolate and (waited := launch.memory_wait_s()):
+        details["memory_wait_s"] = round(waited, 3)
     if attempts:
         details["attempts"] = attempts
     if engine_name == "vllm" and log_dir and isolate:

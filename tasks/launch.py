@@ -133,7 +133,14 @@ class GpuClock:
             self._sharing += 1
             self._promised += need_bytes
         self._held.shares = getattr(self._held, "shares", 0) + 1
-        return time.monotonic() - began if need_bytes else 0.0
+        if need_bytes <= 0:
+            return 0.0
+        self._held.memory_wait_s = time.monotonic() - began
+        return self._held.memory_wait_s
+
+    def memory_wait_s(self) -> float:
+        """The seconds the calling thread's last start waited for memory."""
+        return getattr(self._held, "memory_wait_s", 0.0)
 
     def unshare(self, need_bytes: int = 0) -> None:
         """The end of a share; `need_bytes` as given to its share (an engine that has started holds its memory)."""
@@ -199,15 +206,18 @@ class GpuClock:
 
 @dataclass(frozen=True)
 class GpuWindow:
-    """A measurement's time with the GPU alone: how long it waited for it, and when it began (UTC)."""
+    """A measurement's time with the GPU alone: how long it waited for it, when it began (UTC), and how long its
+    engine's start waited for GPU memory (where that start ran in this thread)."""
 
     waited_s: float
     began_at: datetime
+    memory_wait_s: float = 0.0
 
     def details(self, since: datetime | None = None) -> dict[str, Any]:
-        """What a speed row records of it: the wait, and when its measurement began (`since`, default the
+        """What a speed row records of it: the waits, and when its measurement began (`since`, default the
         window's start) and ended (now)."""
-        return {"gpu_wait_s": round(self.waited_s, 3), "measured_from": (since or self.began_at).isoformat(),
+        memory = {"memory_wait_s": round(self.memory_wait_s, 3)} if self.memory_wait_s else {}
+        return {"gpu_wait_s": round(self.waited_s, 3), **memory, "measured_from": (since or self.began_at).isoformat(),
                 "measured_to": datetime.now(timezone.utc).isoformat()}
 
 
@@ -238,6 +248,12 @@ def gpu_clock(memory: Callable[[], tuple[int, int] | None] = device_memory) -> I
 def current_clock() -> GpuClock | None:
     """The GPU clock of the jobs running in this context, if any (gpu_clock)."""
     return _CLOCK.get()
+
+
+def memory_wait_s() -> float:
+    """How long the last engine start of this thread waited for GPU memory (GpuClock.share); 0 without a clock."""
+    clock = _CLOCK.get()
+    return clock.memory_wait_s() if clock is not None else 0.0
 
 
 def starts_beside() -> bool:
@@ -301,7 +317,7 @@ def measuring() -> Iterator[GpuWindow]:
     clock = _CLOCK.get()
     waited = clock.take(_RANK.get()) if clock is not None else 0.0
     try:
-        yield GpuWindow(waited, datetime.now(timezone.utc))
+        yield GpuWindow(waited, datetime.now(timezone.utc), memory_wait_s())
     finally:
         if clock is not None:
             clock.give()

@@ -242,11 +242,14 @@ def test_an_engine_start_waits_for_its_memory_while_measurements_go_on_and_free_
     memory = _GpuMemory()
     memory.take("loaded", 75)
     events: list[str] = []
+    waited: list[float] = []
     with launch.gpu_clock(memory.read):
         def start() -> None:
             with launch.sharing(30 << 30):
                 events.append("start")
                 memory.take("started", 30)
+            with launch.measuring() as window:  # its measurement's row says how long its start waited for memory
+                waited.append(window.details().get("memory_wait_s", 0.0))
 
         def measure_loaded() -> None:
             with launch.measuring():
@@ -265,6 +268,7 @@ def test_an_engine_start_waits_for_its_memory_while_measurements_go_on_and_free_
             t.join(10)
     assert events == ["measure", "measured", "start"]
     assert memory.held == {"started": 30 << 30}
+    assert waited[0] >= 0.4  # the shared work's 0.3 s and the measurement's 0.2 s, at least
 
 
 def test_beside_unmeasured_work_a_start_leaves_room_for_it():
