@@ -59,7 +59,7 @@ sql() { "${QG[@]}" sql "$1" -w "$WH" -f markdown; }
     sql "select stage, checkpoint, round(seconds, 1) as seconds, engine_starts, reused, strftime(started_at, '%H:%M:%S') as started, strftime(ended_at, '%H:%M:%S') as ended from stage_times order by started_at, stage"
     echo
     echo "## Measurements, each with the GPU alone (view measurement_windows)"
-    sql "select checkpoint, engine, scenario, status, compile_cache, round(waited_s, 1) as waited_s, round(seconds, 1) as seconds, strftime(measured_from, '%H:%M:%S') as began, overlapping_work, overlapping_measurements from measurement_windows order by measured_from"
+    sql "select checkpoint, engine, scenario, status, compile_cache, round(waited_s, 1) as waited_s, round(memory_wait_s, 1) as memory_wait_s, round(seconds, 1) as seconds, strftime(measured_from, '%H:%M:%S') as began, overlapping_work, overlapping_measurements from measurement_windows order by measured_from"
     echo
     echo "## Verdicts"
     sql "select variant, decision, reason from variant_scorecard"

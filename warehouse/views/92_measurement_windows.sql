@@ -1,6 +1,6 @@
 -- Each speed measurement's time with the GPU alone (details.measured_from / measured_to, written by the process
--- that measured), how long it waited for it, and what of its run overlapped it: stage items whose time is not
--- measured (quantize, evaluate, kl) and other measurements. On one GPU, engines start beside the builds and
+-- that measured), how long it waited for it (and its engine's start for GPU memory), and what of its run overlapped
+-- it: stage items whose time is not measured (quantize, evaluate, kl) and other measurements. On one GPU, engines start beside the builds and
 -- evaluations and measure alone (tasks/launch.GpuClock): both counts are 0 on every row.
 CREATE OR REPLACE VIEW measurement_windows AS
 WITH w AS (
@@ -8,6 +8,7 @@ WITH w AS (
            CAST(s.details ->> 'measured_from' AS TIMESTAMP) AS measured_from,
            CAST(s.details ->> 'measured_to' AS TIMESTAMP) AS measured_to,
            CAST(s.details ->> 'gpu_wait_s' AS DOUBLE) AS waited_s,
+           coalesce(CAST(s.details ->> 'memory_wait_s' AS DOUBLE), 0) AS memory_wait_s,
            s.details ->> 'compile_cache' AS compile_cache
     FROM speed_results s
     LEFT JOIN variants v USING (variant_uid)
