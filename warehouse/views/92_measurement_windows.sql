@@ -1,7 +1,7 @@
 -- Each speed measurement's time with the GPU alone (details.measured_from / measured_to, written by the process
 -- that measured), how long it waited for it (and its engine's start for GPU memory), and what of its run overlapped
--- it: stage items whose time is not measured (quantize, evaluate, kl) and other measurements. On one GPU, engines start beside the builds and
--- evaluations and measure alone (tasks/launch.GpuClock): both counts are 0 on every row.
+-- it: stage items whose time is not measured (quantize, evaluate, kl) and other measurements. On one GPU, engines
+-- start beside the builds and evaluations and measure alone (tasks/launch.GpuClock): both counts are 0 on every row.
 CREATE OR REPLACE VIEW measurement_windows AS
 WITH w AS (
     SELECT s.run_id, s.variant_uid, v.name AS checkpoint, s.engine, s.scenario, s.status,
