@@ -170,8 +170,11 @@ def test_the_kv_cache_is_sized_to_the_scenarios_whole_load(tmp_path):
     assert fallback_options(sized, "vllm", 384) == [sized, sized]
     # The memory its start is admitted for: the weights as stored, the KV cache, the engine's overhead (vLLM's
     # free-memory share at start needs NVML, which this machine lacks: there the larger of the two counts).
-    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
-    assert start_memory_bytes(sized, tmp_path, "vllm") == 4096 + sized.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    assert start_memory_bytes(sized, tmp_path, "vllm") == 2 * 1024 * 1024 + sized.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES
     assert start_memory_bytes(EngineOptions("cpu", "float32"), tmp_path, "transformers") == 0
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from quantgate.catalog.schema import ScenarioSpec
 from quantgate.tasks.engines import EngineOptions
-from quantgate.tasks.roofline import kv_bytes_per_token
+from quantgate.tasks.dummy_weights import DummyWeightsError
+from quantgate.tasks.roofline import RooflineError, checkpoint_tensors, kv_bytes_per_token
 from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.errors import BenchmarkError
 from quantgate.tasks.telemetry import device_memory
@@ -96,11 +97,15 @@ def sized_kv_cache(opts: EngineOptions, model_path: str | Path, scenarios: Seque
 
 def start_memory_bytes(opts: EngineOptions, model_path: str | Path, engine_name: str) -> int:
     """The GPU memory an engine's start will take, for its admission beside other work (tasks/launch.GpuClock): its
-    weights as stored, its KV cache where sized, and ENGINE_OVERHEAD_BYTES; for vLLM at least the share of the GPU
-    it asks to find free at start (gpu_memory_utilization). 0 off a GPU."""
+    weights as stored (as its config lays them out, for a dummy-weight folder), its KV cache where sized, and
+    ENGINE_OVERHEAD_BYTES; for vLLM at least the share of the GPU it asks to find free at start
+    (gpu_memory_utilization). 0 off a GPU."""
     if opts.device != "cuda":
         return 0
-    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    try:  # a dummy-weight folder has no weight files: the layout its config implies
+        weights = sum(nbytes for _, nbytes in checkpoint_tensors(model_path).values())
+    except (RooflineError, DummyWeightsError, OSError, KeyError, ValueError):
+        weights = 0  # no estimate: vLLM's own check (below) still holds
     need = weights + (opts.kv_cache_memory_bytes or 0) + ENGINE_OVERHEAD_BYTES
     if engine_name == "vllm" and (memory := device_memory()) is not None:
         need = max(need, math.ceil(opts.gpu_memory_utilization * memory[1]))
