@@ -349,20 +349,26 @@ def nvml_device_name() -> str | None:
 
 
 def device_memory() -> tuple[int, int] | None:
-    """The visible GPU's free and total memory in bytes, through NVML (no CUDA context); None without NVML or a GPU."""
-    try:
-        import pynvml
+    """The visible GPU's free and total memory in bytes, through NVML (no CUDA context); None without NVML or a GPU.
+    Polled while engine starts wait for memory, so NVML stays open after the first call (an init after the last
+    shutdown loads it again)."""
+    global _MEMORY_NVML
+    if _MEMORY_NVML is None:
+        try:
+            import pynvml
 
-        pynvml.nvmlInit()
-    except Exception:
-        return None
+            pynvml.nvmlInit()
+        except Exception:
+            return None
+        _MEMORY_NVML = pynvml
     try:
-        info = pynvml.nvmlDeviceGetMemoryInfo(_visible_device(pynvml))
+        info = _MEMORY_NVML.nvmlDeviceGetMemoryInfo(_visible_device(_MEMORY_NVML))
         return int(info.free), int(info.total)
-    except pynvml.NVMLError:
+    except _MEMORY_NVML.NVMLError:
         return None
-    finally:
-        pynvml.nvmlShutdown()
+
+
+_MEMORY_NVML: Any = None
 
 
 def device_name(device: str) -> str:
