@@ -157,13 +157,15 @@ def _run_process(cmd: list[str], env: dict[str, str], loaded: Path) -> int:
     """Run the evaluation process to its end; once it says its model has loaded (the `loaded` file), tell the
     launcher (gpu_memory.engine_loaded: memory held for its start is free for others). An interrupt ends it too."""
     proc = subprocess.Popen(cmd, env=env)
-    said = False
     try:
-        while proc.poll() is None:
-            if not said and loaded.exists():
-                gpu_memory.engine_loaded()
-                said = True
-            time.sleep(LOADED_POLL_S)
+        while not loaded.exists():
+            try:
+                proc.wait(timeout=LOADED_POLL_S)
+                return proc.returncode  # ended before its model loaded
+            except subprocess.TimeoutExpired:
+                pass
+        gpu_memory.engine_loaded()
+        proc.wait()  # its end, as it comes, not at the next poll
     except BaseException:
         proc.kill()
         proc.wait()
