@@ -151,11 +151,13 @@ def run_scenarios(
     def start(used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
         log = Path(log_dir) / f"{engine_name}-{tried}.log" if log_dir and isolate else None
         if isolate:
-            # A retry after running out of memory starts with the GPU alone: nothing else is loading then.
+            # A retry after running out of memory starts with the GPU alone: nothing else is loading then, and it
+            # is not admitted by memory.
             status, payload = launch.in_process_group(
                 _measure_group, (model_path, engine_name, items, used),
                 deadline - time.monotonic() if tried else timeout_s, log, name=f"quantgate-bench-{engine_name}",
-                start_alone=tried > 0, memory_bytes=start_memory_bytes(used, model_path, engine_name),
+                start_alone=tried > 0,
+                memory_bytes=0 if tried else start_memory_bytes(used, model_path, engine_name),
             )
         else:
             try:
