@@ -506,6 +506,20 @@ class OfflineScenario(ScenarioBase):
 
     kind: Literal["offline"] = "offline"
     batch_size: int = Field(default=8, ge=1)
+    # How each timed pass hands vLLM its prompts. token_ids: as ids, the engine's work alone. text: as the text
+    # prompts `vllm bench throughput` makes for its random dataset (vLLM's own RandomDataset at this seed), which
+    # the engine tokenizes inside the pass, as the bench's passes do: a cross-check times the same work both sides.
+    prompt_input: Literal["token_ids", "text"] = "token_ids"
+
+    @model_validator(mode="after")
+    def _text_on_vllm(self) -> OfflineScenario:
+        if self.prompt_input == "text":
+            if "transformers" in self.engines:
+                raise ValueError("prompt_input 'text' is for vllm and vllm-bench; transformers takes token ids")
+            if self.prompts_file or self.shared_prefix_len:
+                raise ValueError("prompt_input 'text' takes the bench's random prompts: no prompts_file or "
+                                 "shared_prefix_len")
+        return self
 
     def most_in_flight(self) -> int:
         """The most sequences the scenario may have in flight at once: all of a pass."""
@@ -602,6 +616,9 @@ def bench_mismatch(scenario: ScenarioSpec) -> str | None:
     if scenario.temperature != BENCH_TEMPERATURE:
         return (f"vllm bench throughput samples at temperature {BENCH_TEMPERATURE:g} (top-p 1), the scenario at"
                 f" {scenario.temperature:g}: cross-check a twin of it with temperature: {BENCH_TEMPERATURE:g}")
+    if not isinstance(scenario, OfflineScenario) or scenario.prompt_input != "text":
+        return ("vllm bench throughput tokenizes its random dataset's text prompts inside each timed pass: "
+                "cross-check a twin of the scenario with prompt_input: text")
     return None
 
 

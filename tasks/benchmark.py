@@ -43,7 +43,7 @@ from quantgate.tasks.speed.options import (
     start_memory_bytes,
     wants_random_weights,
 )
-from quantgate.tasks.speed.prompts import make_prompt_sets
+from quantgate.tasks.speed.prompts import Prompts, make_prompt_sets
 from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.speed.vllm_cli import compile_cache_from_log
 from quantgate.tasks.telemetry import (
@@ -306,7 +306,7 @@ def _add_bandwidth(scenarios: list[ScenarioSpec], out: list[tuple[str, Any]]) ->
 
 
 def _measure_one(
-    engine: Engine, scenario: ScenarioSpec, prompt_sets: list[list[list[int]]], telemetry: Telemetry, opts: EngineOptions
+    engine: Engine, scenario: ScenarioSpec, prompt_sets: list[Prompts], telemetry: Telemetry, opts: EngineOptions
 ) -> dict[str, Any]:
     telemetry.reset_peaks()
     before = engine.stats()
@@ -328,7 +328,7 @@ def _measure_one(
     return {
         "device": device_name(opts.device),
         "num_requests": len(prompts),
-        "input_tokens": sum(len(p) for p in prompts),
+        "input_tokens": _median([r["input_tokens"] for r in reps]),
         "output_tokens": _median([r["output_tokens"] for r in reps]),
         "tokens_per_s": _median([r["tokens_per_s"] for r in reps]),
         "total_tokens_per_s": _median([r["total_tokens_per_s"] for r in reps]),
@@ -350,7 +350,7 @@ def _measure_one(
     }
 
 
-def _workload(engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec) -> tuple[float, list[RequestTiming]]:
+def _workload(engine: Engine, prompts: Prompts, scenario: ScenarioSpec) -> tuple[float, list[RequestTiming]]:
     """All prompts once: one at a time ("latency"), or ("offline") all in one call to an engine that
     schedules them itself (as `vllm bench throughput` does), else in static batches of batch_size.
     Each request is timed from the start of its own generate call."""
@@ -370,18 +370,19 @@ def _workload(engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec) 
 
 
 def _repetition(
-    engine: Engine, prompts: list[list[int]], scenario: ScenarioSpec, telemetry: Telemetry
+    engine: Engine, prompts: Prompts, scenario: ScenarioSpec, telemetry: Telemetry
 ) -> dict[str, Any]:
     before = telemetry.energy_mj()
     with PassClocks() as clocks:
         wall, timings = _workload(engine, prompts, scenario)
     after = telemetry.energy_mj()
     out = sum(t.output_tokens for t in timings)
-    prompt_tokens = sum(len(p) for p in prompts)
+    prompt_tokens = sum(t.prompt_tokens for t in timings)
     # A counter that did not move over a very short run says nothing, so it is not reported as 0 J.
     energy_j = (after - before) / 1000 if before is not None and after is not None and after > before else None
     return {
         "wall_s": wall,
+        "input_tokens": prompt_tokens,
         "output_tokens": out,
         "tokens_per_s": out / wall,
         "total_tokens_per_s": (prompt_tokens + out) / wall,

@@ -155,7 +155,7 @@ def test_a_bench_that_fails_before_its_first_pass_says_why(tmp_path, record):
 def test_under_a_gpu_clock_the_bench_starts_beside_shared_work_and_measures_alone(tmp_path, record, monkeypatch):
     """A build holds the GPU as shared work: the bench starts meanwhile, and its passes wait for the build."""
     scenario = scenario_from({"engines": ["vllm", "vllm-bench"], "num_prompts": 6, "input_len": 16, "output_len": 8,
-                              "temperature": 1.0, "device": "cuda"})
+                              "temperature": 1.0, "prompt_input": "text", "device": "cuda"})
     opts = EngineOptions(device="cuda", dtype="bfloat16")
 
     def preflight(engine, model_path, name, spec, options):

@@ -1,4 +1,5 @@
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -11,8 +12,8 @@ import torch
 from quantgate.catalog.schema import LatencyScenario, OfflineScenario
 from quantgate.tasks.benchmark import run_scenario
 from quantgate.tasks.speed.errors import BenchmarkError
-from quantgate.tasks.speed.prompts import make_prompts
-from quantgate.tasks.engines import EngineOptions, create
+from quantgate.tasks.speed.prompts import make_prompt_sets, make_prompts
+from quantgate.tasks.engines import EngineError, EngineOptions, create
 
 TINY = TINY_MODEL
 SMALL = OfflineScenario(num_prompts=4, input_len=16, output_len=8, batch_size=4, warmup=1, repetitions=3, device="cpu")
@@ -65,7 +66,7 @@ def test_transformers_in_spawned_process_measures_exact_fixed_length_output():
 
 
 def test_latency_scenario_times_each_request_alone():
-    scenario = LatencyScenario(**{**SMALL.model_dump(exclude={"kind", "batch_size"}), "num_prompts": 3, "repetitions": 1,
+    scenario = LatencyScenario(**{**SMALL.model_dump(exclude={"kind", "batch_size", "prompt_input"}), "num_prompts": 3, "repetitions": 1,
                                   "warmup": 0})
     frozen = gc.get_freeze_count()
     r = run_scenario(str(TINY), "transformers", "lat", scenario, isolate=False)
@@ -130,6 +131,20 @@ def test_random_prompts_are_seeded_fixed_length_and_free_of_special_tokens():
     assert not {0, 1, 2} & {t for p in a for t in p}  # <unk>, <s>, </s>
 
 
+def test_text_prompts_are_the_benchs_and_need_vllm(engine):
+    """prompt_input 'text' takes vLLM's own benchmark dataset; where vLLM is not installed (CPU machines) the
+    scenario fails with one line, and Transformers refuses text it would have to tokenize in its timed pass."""
+    with pytest.raises(EngineError, match=r"prompts are token ids \(text prompts are for vllm\)"):
+        engine.generate(["Once upon a time"], 2)
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: tests/gpu/test_gpu_suite_gpu.py measures its text prompts")
+    scenario = OfflineScenario(engines=["vllm"], prompt_input="text", num_prompts=2, input_len=8, output_len=4)
+    with pytest.raises(BenchmarkError, match=r"prompt_input 'text' makes its prompts with vLLM's benchmark dataset"):
+        make_prompt_sets(scenario, str(TINY), 2)
+    assert make_prompts(scenario, str(TINY)) == make_prompts(SMALL.model_copy(update={"num_prompts": 2,
+                                                                                   "input_len": 8}), str(TINY))
+
+
 def test_file_prompts_are_cut_to_input_len_and_filled_from_following_lines(prompts_file):
     from transformers import AutoTokenizer
 
@@ -155,6 +170,7 @@ def test_left_padding_gives_each_prompt_the_tokens_it_gets_alone(engine, prompts
 
     assert batch.output_tokens == [6, 6, 6]
     assert [r.output_tokens for r in batch.requests] == [6, 6, 6]
+    assert [r.prompt_tokens for r in batch.requests] == [len(p) for p in prompts]
     assert 0 < batch.ttft_s < batch.wall_s
     assert batch.token_ids == [engine.generate([p], 6).token_ids[0] for p in prompts]
 

@@ -12,6 +12,7 @@ from quantgate.catalog.schema import (
     OfflineScenario,
     ServingScenario,
     SpeculativeSpec,
+    bench_mismatch,
     load_gpu_suite,
     scenario_from,
 )
@@ -52,6 +53,16 @@ def test_inconsistent_scenarios_are_refused_with_a_reason():
     assert "tensor_parallel_size is a vllm lever" in _error(engines=["transformers"], tensor_parallel_size=2)
     assert "greater than 0" in _error(kind="serving", engines=["vllm"], request_rates=[0])
     assert "prompt_lookup_min 5 exceeds" in _error(speculative={"prompt_lookup_min": 5, "prompt_lookup_max": 4})
+    assert "transformers takes token ids" in _error(prompt_input="text")
+    assert "no prompts_file or shared_prefix_len" in _error(engines=["vllm"], prompt_input="text", input_len=64,
+                                                           shared_prefix_len=8)
+
+
+def test_a_cross_check_times_the_benchs_work_or_is_refused_with_why():
+    sampled = {"engines": ["vllm", "vllm-bench"], "temperature": 1.0}
+    assert bench_mismatch(scenario_from({**sampled, "prompt_input": "text"})) is None
+    assert "tokenizes its random dataset's text prompts inside each timed pass" in bench_mismatch(scenario_from(sampled))
+    assert "temperature" in bench_mismatch(scenario_from({**sampled, "temperature": 0.0, "prompt_input": "text"}))
 
 
 def test_levers_become_engine_options():

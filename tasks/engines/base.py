@@ -1,4 +1,4 @@
-"""What every inference engine offers the benchmark: load a checkpoint, generate from token ids, close."""
+"""What every inference engine offers the benchmark: load a checkpoint, generate from prompts, close."""
 
 from __future__ import annotations
 
@@ -37,11 +37,13 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class RequestTiming:
-    """One request, timed from the moment its generate call started."""
+    """One request, timed from the moment its generate call started, with its prompt's tokens as the engine
+    counted them (a text prompt's are the engine's tokenizer's)."""
 
     output_tokens: int
     ttft_s: float | None
     e2el_s: float
+    prompt_tokens: int
 
     @property
     def tpot_s(self) -> float | None:
@@ -72,9 +74,10 @@ class Engine(Protocol):
 
     def load(self, model_path: str, options: EngineOptions) -> None: ...
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+    def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int, *, ignore_eos: bool = True,
                  temperature: float = 0.0) -> Generation:
-        """Greedy at temperature 0, else sampling at that temperature with top-p 1 and no top-k."""
+        """Greedy at temperature 0, else sampling at that temperature with top-p 1 and no top-k. Prompts are
+        token ids, or text that the engine tokenizes inside the call (vLLM only)."""
         ...
 
     def stats(self) -> dict[str, Any]:

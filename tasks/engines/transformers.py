@@ -79,10 +79,12 @@ class TransformersEngine:
         self._tokenizer = tokenizer
         self._compile = options.compile
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+    def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int, *, ignore_eos: bool = True,
                  temperature: float = 0.0) -> Generation:
         if self._model is None:
             raise EngineError("transformers engine: generate() before load()")
+        if any(isinstance(p, str) for p in prompts):
+            raise EngineError("transformers engine: prompts are token ids (text prompts are for vllm)")
         batch = self._tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self._device)
         clock = _FirstTokenClock()
         self._sync()
@@ -111,7 +113,8 @@ class TransformersEngine:
             token_ids=token_ids,
             wall_s=wall,
             ttft_s=ttft,
-            requests=[RequestTiming(output_tokens=len(t), ttft_s=ttft, e2el_s=wall) for t in token_ids],
+            requests=[RequestTiming(output_tokens=len(t), ttft_s=ttft, e2el_s=wall, prompt_tokens=len(p))
+                      for p, t in zip(prompts, token_ids)],
         )
 
     def stats(self) -> dict[str, Any]:

@@ -63,11 +63,11 @@ class VllmEngine:
         )
         self._speculative = bool(options.speculative_config)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = True,
+    def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int, *, ignore_eos: bool = True,
                  temperature: float = 0.0) -> Generation:
         if self._llm is None:
             raise EngineError("vllm engine: generate() before load()")
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams, TextPrompt, TokensPrompt
 
         params = SamplingParams(
             max_tokens=max_new_tokens,
@@ -81,12 +81,14 @@ class VllmEngine:
             top_p=1.0,
             detokenize=False,
         )
+        inputs = [TextPrompt(prompt=p) if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in prompts]
         start_wall = time.time()
         start = time.perf_counter()
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self._llm.generate(inputs, params, use_tqdm=False)
         wall = time.perf_counter() - start
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-        requests = [_timing(o.metrics, len(t), start_wall, wall) for o, t in zip(outputs, token_ids)]
+        requests = [_timing(o.metrics, len(o.prompt_token_ids or ()), len(t), start_wall, wall)
+                    for o, t in zip(outputs, token_ids)]
         ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
         return Generation(token_ids=token_ids, wall_s=wall, ttft_s=min(ttfts) if ttfts else None, requests=requests)
 
@@ -112,7 +114,7 @@ class VllmEngine:
         gc.collect()
 
 
-def _timing(metrics: Any, n_out: int, start_wall: float, wall: float) -> RequestTiming:
+def _timing(metrics: Any, n_prompt: int, n_out: int, start_wall: float, wall: float) -> RequestTiming:
     """Per-request times from vLLM's RequestStateStats: arrival_time is wall clock, first_token_latency is
     measured from arrival, first/last_token_ts are engine-core monotonic stamps of the first and last token."""
     latency = getattr(metrics, "first_token_latency", None)
@@ -120,6 +122,6 @@ def _timing(metrics: Any, n_out: int, start_wall: float, wall: float) -> Request
     first_ts = getattr(metrics, "first_token_ts", None)
     last_ts = getattr(metrics, "last_token_ts", None)
     if not latency or arrival is None or not first_ts or not last_ts:
-        return RequestTiming(output_tokens=n_out, ttft_s=None, e2el_s=wall)
+        return RequestTiming(output_tokens=n_out, ttft_s=None, e2el_s=wall, prompt_tokens=n_prompt)
     ttft = (arrival - start_wall) + latency
-    return RequestTiming(output_tokens=n_out, ttft_s=ttft, e2el_s=ttft + (last_ts - first_ts))
+    return RequestTiming(output_tokens=n_out, ttft_s=ttft, e2el_s=ttft + (last_ts - first_ts), prompt_tokens=n_prompt)

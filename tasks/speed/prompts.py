@@ -1,4 +1,5 @@
-"""The prompts of a speed scenario: token ids of exactly input_len, the same for every engine and variant."""
+"""The prompts of a speed scenario, the same for every engine and variant: token ids of exactly input_len, or
+(an offline scenario's `prompt_input: text`) the text prompts of `vllm bench throughput`'s random dataset."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from quantgate.catalog.schema import ScenarioSpec
+from quantgate.catalog.schema import OfflineScenario, ScenarioSpec
 from quantgate.tasks.speed.errors import BenchmarkError
+
+# One pass's prompts as the engine takes them: token ids, or text it tokenizes itself.
+Prompts = list[list[int]] | list[str]
 
 
 def make_prompts(scenario: ScenarioSpec, tokenizer_path: str) -> list[list[int]]:
@@ -18,13 +22,19 @@ def make_prompts(scenario: ScenarioSpec, tokenizer_path: str) -> list[list[int]]
     (i mod lines)-th non-empty line, continuing into the next lines when that line is too short.
     With shared_prefix_len k, the first k tokens are the same in every prompt.
     """
-    return make_prompt_sets(scenario, tokenizer_path, 1)[0]
+    return _token_prompt_sets(scenario, tokenizer_path, 1)[0]
 
 
-def make_prompt_sets(scenario: ScenarioSpec, tokenizer_path: str, passes: int) -> list[list[list[int]]]:
+def make_prompt_sets(scenario: ScenarioSpec, tokenizer_path: str, passes: int) -> list[Prompts]:
     """The prompts of each of `passes` passes over a scenario. They are the same every pass, except that
     with a shared prefix and random prompts each pass gets fresh tails: prefix caching may then reuse
     the shared prefix from one pass to the next, never a whole prompt."""
+    if isinstance(scenario, OfflineScenario) and scenario.prompt_input == "text":
+        return [bench_text_prompts(scenario, tokenizer_path)] * passes
+    return list(_token_prompt_sets(scenario, tokenizer_path, passes))
+
+
+def _token_prompt_sets(scenario: ScenarioSpec, tokenizer_path: str, passes: int) -> list[list[list[int]]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -49,6 +59,20 @@ def make_prompt_sets(scenario: ScenarioSpec, tokenizer_path: str, passes: int) -
         rng = random.Random(f"{scenario.seed}/pass{n}")
         sets.append([prefix + draw(rng, scenario.input_len - k) for _ in range(scenario.num_prompts)])
     return sets
+
+
+def bench_text_prompts(scenario: OfflineScenario, tokenizer_path: str) -> list[str]:
+    """The text prompts `vllm bench throughput --dataset-name random --random-range-ratio 0 --seed S` times, made by
+    vLLM's own dataset and tokenizer loader as the bench makes them (GPU machines: vLLM is installed there)."""
+    try:
+        from vllm.benchmarks.datasets import RandomDataset
+        from vllm.tokenizers import get_tokenizer
+    except ImportError as e:
+        raise BenchmarkError(f"prompt_input 'text' makes its prompts with vLLM's benchmark dataset: {e}") from None
+    requests = RandomDataset(random_seed=scenario.seed).sample(
+        tokenizer=get_tokenizer(tokenizer_path), num_requests=scenario.num_prompts, prefix_len=0, range_ratio=0.0,
+        input_len=scenario.input_len, output_len=scenario.output_len)
+    return [r.prompt for r in requests]
 
 
 def _file_prompts(path: Path, tokenizer: Any, num_prompts: int, input_len: int) -> list[list[int]]:

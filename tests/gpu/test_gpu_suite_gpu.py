@@ -38,7 +38,7 @@ def suite_file(tmp_path):
         "base_build": "bf16",
         "scenarios": {
             "offline": offline,
-            "offline-sampled": {**offline, "engines": ["vllm"], "temperature": 1.0},
+            "offline-sampled": {**offline, "engines": ["vllm"], "temperature": 1.0, "prompt_input": "text"},
             "latency": latency,
             "latency-ngram": {**latency, "engines": ["vllm"], "speculative": "ngram"},
             "latency-compile": {**latency, "engines": ["transformers"], "transformers_compile": True},
@@ -87,6 +87,10 @@ def test_vllm_offline_latency_roofline_and_the_bench_crosscheck(tmp_path):
         (cc,) = store.rows(con, "SELECT * FROM vllm_crosscheck")
         assert cc["scenario"] == "offline-sampled" and speed[("vllm", "offline-sampled", "bf16")]["output_tokens"] == 16 * 32
         assert cc["bench_output_tokens_per_s"] > 0 and abs(cc["output_gap_pct"]) < 90
+        # Ours took the bench's text prompts: their tokens as vLLM counted them, within the bench dataset's
+        # re-encoding slack of input_len each.
+        sampled_in = speed[("vllm", "offline-sampled", "bf16")]["input_tokens"]
+        assert abs(sampled_in - 16 * COMMON["input_len"]) <= 0.01 * 16 * COMMON["input_len"]
 
 
 def test_transformers_bf16_and_w4a16_with_allocator_and_nvml_peaks(tmp_path):
