@@ -7,6 +7,7 @@ counter, the reading is None rather than a guess.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import platform
 import resource
@@ -369,6 +370,13 @@ def device_memory() -> tuple[int, int] | None:
 
 
 _MEMORY_NVML: Any = None
+
+
+def vllm_start_check_bytes(gpu_memory_utilization: float) -> int | None:
+    """The free memory vLLM asks to find at start for `gpu_memory_utilization`: that share of the GPU's total,
+    rounded up; None without NVML or a GPU."""
+    memory = device_memory()
+    return None if memory is None else math.ceil(gpu_memory_utilization * memory[1])
 
 
 def device_name(device: str) -> str:

@@ -27,7 +27,7 @@ from quantgate.catalog.schema import LOCAL_TASKS_DIR, LocalTask, SuiteSpec
 from quantgate.tasks import gpu_memory
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
-from quantgate.tasks.telemetry import device_memory
+from quantgate.tasks.telemetry import vllm_start_check_bytes
 
 log = logging.getLogger(__name__)
 
@@ -377,9 +377,9 @@ def start_memory_bytes(backend: str, device: str) -> int:
     """The GPU memory an evaluation engine asks to find free at its start (vLLM's gpu_memory_utilization of the
     GPU, which holds its weights and fixed KV cache for a model of a few billion parameters); 0 where nothing
     checks (the hf backend, a CPU, no NVML)."""
-    if backend != "vllm" or device != "cuda" or (memory := device_memory()) is None:
+    if backend != "vllm" or device != "cuda":
         return 0
-    return math.ceil(EVAL_GPU_MEMORY_UTILIZATION * memory[1])
+    return vllm_start_check_bytes(EVAL_GPU_MEMORY_UTILIZATION) or 0
 
 
 def _load_time_model(request: dict) -> Any:

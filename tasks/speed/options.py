@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from quantgate.tasks.dummy_weights import DummyWeightsError
 from quantgate.tasks.roofline import RooflineError, checkpoint_tensors, kv_bytes_per_token
 from quantgate.tasks.speed.checkpoint import text_config
 from quantgate.tasks.speed.errors import BenchmarkError
-from quantgate.tasks.telemetry import device_memory
+from quantgate.tasks.telemetry import vllm_start_check_bytes
 
 # Room over the scenarios' whole load in the KV cache: vLLM allocates whole blocks, and CUDA-graph padding and the
 # scheduler's look-ahead take a little more than the tokens themselves.
@@ -107,6 +106,6 @@ def start_memory_bytes(opts: EngineOptions, model_path: str | Path, engine_name:
     except (RooflineError, DummyWeightsError, OSError, KeyError, ValueError):
         weights = 0  # no estimate: vLLM's own check (below) still holds
     need = weights + (opts.kv_cache_memory_bytes or 0) + ENGINE_OVERHEAD_BYTES
-    if engine_name == "vllm" and (memory := device_memory()) is not None:
-        need = max(need, math.ceil(opts.gpu_memory_utilization * memory[1]))
+    if engine_name == "vllm" and (checked := vllm_start_check_bytes(opts.gpu_memory_utilization)) is not None:
+        need = max(need, checked)
     return need
