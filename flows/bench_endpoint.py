@@ -100,8 +100,7 @@ def bench_endpoint_flow(
         if variant_uid is None:
             store.record_variant(con, run_id, variant, role="variant")
         else:
-            con.execute("INSERT INTO run_variants (run_id, variant_uid, role, reused) VALUES (?, ?, 'variant', true)"
-                        " ON CONFLICT DO NOTHING", [run_id, uid])
+            store.link_variant(con, run_id, uid, role="variant", reused=True)
     with store.run_outcome(wh, run_id):
         for name in scenarios:
             result = _bench(target, name, cat.scenarios[name], timeout_s, wh, run_id, uid)

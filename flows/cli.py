@@ -24,13 +24,17 @@ from quantgate.warehouse import store
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Gate quantized LLM builds on quality and speed.")
 catalog_app = typer.Typer(no_args_is_help=True, help="Inspect and validate the model catalog.")
 app.add_typer(catalog_app, name="catalog")
+warehouse_app = typer.Typer(no_args_is_help=True, help="Open, import into and maintain the warehouse.")
+app.add_typer(warehouse_app, name="warehouse")
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 DEMO_MODEL = "smollm2-135m"
 
 WarehouseOpt = Annotated[
-    Optional[Path], typer.Option("--warehouse", "-w", help=f"DuckDB file (env {store.ENV_VAR}; default {store.DEFAULT_PATH})")
+    Optional[str], typer.Option("--warehouse", "-w", help=(
+        f"the warehouse: a DuckLake catalog file, or postgres:dbname=... host=... for a team's (env {store.ENV_VAR};"
+        f" default {store.DEFAULT_PATH}; data files of a new one in env {store.DATA_ENV_VAR})"))
 ]
 CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", "-c", help="catalog YAML (default: the packaged one)")]
 WorkdirOpt = Annotated[
@@ -238,6 +242,11 @@ def sql(
     # Read-only and shut off from the file system: a query can change neither the warehouse nor any file.
     with store.session(warehouse, read_only=True, sandbox=True) as con:
         try:
+            kinds = {s.type for s in con.extract_statements(query)}
+            if not kinds <= {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}:
+                other = sorted(k.name for k in kinds - {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN})
+                raise typer.BadParameter(f"quantgate sql runs queries only (SELECT, EXPLAIN), not {', '.join(other)}",
+                                         param_hint="query")
             rel = con.sql(query)
         except duckdb.Error as e:
             raise typer.BadParameter(str(e).splitlines()[0], param_hint="query") from None
@@ -301,6 +310,40 @@ def export(
     with store.session(warehouse, read_only=True) as con:
         files = store.export(con, folder, fmt, views=not tables_only)
     console.print(f"{len(files)} {fmt} files in {folder}")
+
+
+@warehouse_app.command("init-sql")
+def warehouse_init_sql(
+    writable: Annotated[bool, typer.Option(help="attach it writable (the default is read-only)")] = False,
+    warehouse: WarehouseOpt = None,
+) -> None:
+    """Print the SQL that opens the warehouse in DuckDB: duckdb -cmd "$(quantgate warehouse init-sql)"."""
+    from quantgate.warehouse import lake
+
+    sys.stdout.write(lake.init_sql(store.address(warehouse), read_only=not writable))
+
+
+@warehouse_app.command("import")
+def warehouse_import(
+    old: Annotated[Path, typer.Argument(help="a DuckDB-file warehouse of an earlier quantgate (e.g. quantgate.duckdb)")],
+    warehouse: WarehouseOpt = None,
+) -> None:
+    """Bring the runs of a DuckDB-file warehouse over; rows the warehouse already holds are left as they are."""
+    from quantgate.warehouse import legacy
+
+    with store.session(warehouse) as con:
+        added = legacy.import_duckdb(con, old)
+    _print_rows([{"table": t, "rows_added": n} for t, n in added.items()], ["table", "rows_added"])
+
+
+@warehouse_app.command("maintain")
+def warehouse_maintain(
+    keep_days: Annotated[int, typer.Option(help="keep snapshots this many days for time travel")] = 7,
+    warehouse: WarehouseOpt = None,
+) -> None:
+    """DuckLake's upkeep: inlined rows to Parquet, small files merged, old snapshots and their files removed."""
+    for step, seconds in store.maintain(warehouse, keep_days):
+        console.print(f"{step}: {seconds:.1f} s")
 
 
 @catalog_app.command("validate")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import duckdb
+from quantgate.warehouse import store
 
 CLI = [sys.executable, "-m", "quantgate.flows.cli"]
 
@@ -34,11 +34,11 @@ def run_cli(args: list[str], prefect_api: str | None = None, env: dict[str, str]
 
 
 def tables(path: str | Path) -> dict[str, list[tuple]]:
-    """Every base table of a DuckDB file: its rows, as text, sorted (read-only, so nothing changes)."""
-    con = duckdb.connect(str(path), read_only=True)
+    """Every base table of a warehouse: its rows, as text, sorted (a read-only connection of its own)."""
+    con = store.connect(path, read_only=True)
     try:
-        names = [n for (n,) in con.execute("SELECT table_name FROM information_schema.tables"
-                                           " WHERE table_type = 'BASE TABLE' ORDER BY 1").fetchall()]
+        names = [n for (n,) in con.execute("SELECT table_name FROM information_schema.tables WHERE table_catalog ="
+                                           " current_database() AND table_type = 'BASE TABLE' ORDER BY 1").fetchall()]
         return {n: sorted(tuple(map(str, r)) for r in con.execute(f'SELECT * FROM "{n}"').fetchall()) for n in names}
     finally:
         con.close()
@@ -46,6 +46,10 @@ def tables(path: str | Path) -> dict[str, list[tuple]]:
 
 def checksums(contents: dict[str, list[tuple]]) -> dict[str, str]:
     return {t: hashlib.sha256(repr(rows).encode()).hexdigest() for t, rows in contents.items()}
+
+
+def quantgate(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_cli(list(args), env=env, timeout=timeout)
 
 
 def error_lines(text: str) -> list[str]:

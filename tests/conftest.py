@@ -39,6 +39,16 @@ def _temporary_prefect_server_stops_with_the_session():
         SubprocessASGIServer().stop()
 
 
+@pytest.fixture(autouse=True)
+def _warehouses_detached_after_each_test():
+    """This process keeps each warehouse it opened attached (quantgate.warehouse.store); a test's warehouse goes
+    with its tmp_path, and the next test starts as a new process would."""
+    yield
+    from quantgate.warehouse import store
+
+    store.close_all()
+
+
 @pytest.fixture
 def tiny_model() -> Path:
     if not TINY_MODEL.exists():

@@ -58,7 +58,7 @@ def write_catalog(tmp: Path, name: str = "catalog.yaml", method: str = "rtn", sc
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory) -> Path:
     """A warehouse with a finished run in it: what bad input must leave alone."""
-    path = tmp_path_factory.mktemp("seed") / "w.duckdb"
+    path = tmp_path_factory.mktemp("seed") / "w.ducklake"
     with store.session(path) as con:
         seed_run(con, "r1")
     return path
@@ -142,7 +142,7 @@ def _write(tmp: Path, name: str, text: str) -> Path:
 
 @pytest.mark.parametrize(("args", "expected", "makes_run"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_changes_nothing_else(args, expected, makes_run, seeded, tmp_path, capfd):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     shutil.copy(seeded, wh)
     before = tables(wh)
     code, out, err = quantgate(capfd, "run", *args(tmp_path, write_catalog(tmp_path)), "-w", str(wh))
@@ -176,7 +176,7 @@ def test_unknown_or_unreachable_hub_id(hub_status, expected, online, seeded, tmp
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     server = FakeHub(hub_status, "RepoNotFound") if hub_status else None
     use_endpoint(online, server.url if server else f"http://127.0.0.1:{closed_port()}")
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     shutil.copy(seeded, wh)
     before = tables(wh)
     try:
@@ -189,7 +189,7 @@ def test_unknown_or_unreachable_hub_id(hub_status, expected, online, seeded, tmp
 
 
 def test_a_file_that_is_not_a_warehouse_is_named_and_left_alone(tmp_path, capfd):
-    junk = tmp_path / "notes.duckdb"
+    junk = tmp_path / "notes.ducklake"
     junk.write_text("meeting notes, not a database\n" * 200)
     digest = hashlib.sha256(junk.read_bytes()).hexdigest()
     for args in (["run", "-c", str(write_catalog(tmp_path)), "tiny"], ["sql", "select 1"], ["report"]):
@@ -199,7 +199,7 @@ def test_a_file_that_is_not_a_warehouse_is_named_and_left_alone(tmp_path, capfd)
 
 
 def test_a_schema_newer_than_the_code_is_refused_and_left_alone(seeded, tmp_path, capfd):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     shutil.copy(seeded, wh)
     with duckdb.connect(str(wh)) as con:
         con.execute("INSERT INTO schema_migrations VALUES (999, '0999_future.sql', 'x', now())")
@@ -216,25 +216,25 @@ def test_debug_shows_the_traceback(tmp_path, capfd):
 
 
 def test_sql_can_neither_write_the_warehouse_nor_touch_files(seeded, tmp_path, capfd):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     shutil.copy(seeded, wh)
     before = checksums(tables(wh))
     target = tmp_path / "leak.csv"
     for query, expected in [("delete from runs", "read-only"),
                             (f"copy (select * from runs) to '{target}'", "file system operations are disabled"),
                             ("select * from read_csv('/etc/hostname')", "file system operations are disabled"),
-                            (f"attach '{tmp_path / 'other.duckdb'}' as o", "file system operations are disabled")]:
+                            (f"attach '{tmp_path / 'other.ducklake'}' as o", "file system operations are disabled")]:
         code, out, err = quantgate(capfd, "sql", query, "-w", str(wh))
         assert code != 0 and "Traceback" not in out + err
         assert expected in err.lower() if expected == "read-only" else expected in err, err
-    assert not target.exists() and not (tmp_path / "other.duckdb").exists()
+    assert not target.exists() and not (tmp_path / "other.ducklake").exists()
     assert checksums(tables(wh)) == before
 
 
 def test_a_warehouse_locked_by_another_writer(seeded, tmp_path):
     """Two processes: one holds the warehouse; `quantgate run` waits QUANTGATE_LOCK_WAIT_S and gives up in
     one line; `quantgate sql` says it waits, and answers once the holder lets go."""
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     shutil.copy(seeded, wh)
     before = checksums(tables(wh))
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""

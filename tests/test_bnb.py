@@ -178,7 +178,7 @@ def test_without_bitsandbytes_the_variant_is_skipped_with_the_reason(tiny_model,
     # Stored and decided like any variant: the scorecard says skipped, the decision says why.
     model = _model(tiny_model)
     base = quantize.base_variant(model)
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     with store.session(wh) as con:
         store.start_run(con, "r1", "evaluate-model", "stories260k", None, None, "host", {})
         store.record_model(con, "r1", model)

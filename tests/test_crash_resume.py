@@ -37,7 +37,7 @@ def setup(tmp_path_factory, prefect_api):
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
     tmp = tmp_path_factory.mktemp("crash")
     cat = catalog(tmp, TINY_MODEL)
-    wh, work = tmp / "w.duckdb", tmp / "work"
+    wh, work = tmp / "w.ducklake", tmp / "work"
 
     def run(fault: str | None, *options: str):
         env = {"QUANTGATE_FAULT": fault} if fault else {"QUANTGATE_FAULT": ""}

@@ -84,7 +84,7 @@ def deployed(tmp_path_factory):
     other = perturbed_copy(TINY_MODEL, tmp / "models" / "stories260k-b")
     extra = {
         "QUANTGATE_REPO": str(REPO),
-        "QUANTGATE_WAREHOUSE": str(tmp / "w.duckdb"),
+        "QUANTGATE_WAREHOUSE": str(tmp / "w.ducklake"),
         "QUANTGATE_HOME": str(tmp / "work"),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -94,7 +94,7 @@ def deployed(tmp_path_factory):
         done = subprocess.run([*CLI, "deploy"], env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr + done.stdout
         yield {"url": url, "env": env, "tmp": tmp, "catalog": catalog, "other": other, "deploy_out": done.stdout,
-               "wh": tmp / "w.duckdb"}
+               "wh": tmp / "w.ducklake"}
 
 
 def client(url: str):

@@ -24,7 +24,7 @@ def test_engines_start_while_checkpoints_are_evaluated_and_measure_after_kl(tmp_
                                               "gptq-w4a16-g32": "{method: gptq, scheme: W4A16, group_size: 32}",
                                               "rtn-w8a16": "{method: rtn, scheme: W8A16, group_size: null}"},
                        limit=2, min_recovery=0.5, calibration="{kind: text, samples: 4, seq_len: 32}")
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     card = em.evaluate_model(model="tiny", catalog=str(cat), warehouse=str(wh), workdir=str(tmp_path / "work"))
     assert len(card) == 3 and all(r["decision"] in ("accept", "reject", "inconclusive") for r in card)
     with store.session(wh, read_only=True) as con:

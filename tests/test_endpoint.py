@@ -76,7 +76,7 @@ def transformers_server(tmp_path_factory):
 
 def test_cli_benchmarks_a_real_server_into_the_warehouse(transformers_server, tmp_path):
     server, model = transformers_server
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     from tests.shared_data import TINY_MODEL
 
     env = {**os.environ, "QG_TEST_API_KEY": KEY, "PREFECT_LOGGING_LEVEL": "WARNING"}

@@ -73,7 +73,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("seed") / "w.duckdb"
+    path = tmp_path_factory.mktemp("seed") / "w.ducklake"
     with store.session(path) as con:
         seed_run(con, "r1")
     return path
@@ -94,7 +94,7 @@ def assert_one_failure(result: subprocess.CompletedProcess, expected: str) -> st
 
 @pytest.mark.parametrize(("args", "env", "expected", "makes_run"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_known_failure_is_one_line(args, env, expected, makes_run, seeded, tmp_path, prefect_api):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     shutil.copy(seeded, wh)
     before = tables(wh)
     result = run_cli(["run", *args(tmp_path, write_catalog(tmp_path)), "-w", str(wh), "--workdir", str(tmp_path / "work")],
@@ -119,7 +119,7 @@ def _kept_but_no_results(before: dict, after: dict, message: str) -> None:
 
 
 def test_a_gated_repo_without_a_token(seeded, tmp_path, prefect_api):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     shutil.copy(seeded, wh)
     before = tables(wh)
     hub = FakeHub(403, "GatedRepo")
@@ -134,7 +134,7 @@ def test_a_gated_repo_without_a_token(seeded, tmp_path, prefect_api):
 
 
 def test_a_foreign_warehouse_file(tmp_path, prefect_api):
-    junk = tmp_path / "notes.duckdb"
+    junk = tmp_path / "notes.ducklake"
     junk.write_text("meeting notes, not a database\n" * 200)
     digest = hashlib.sha256(junk.read_bytes()).hexdigest()
     result = run_cli(["run", "-c", str(write_catalog(tmp_path)), "tiny", "-w", str(junk)], prefect_api)
@@ -143,7 +143,7 @@ def test_a_foreign_warehouse_file(tmp_path, prefect_api):
 
 
 def test_a_locked_warehouse(seeded, tmp_path, prefect_api):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     shutil.copy(seeded, wh)
     before = tables(wh)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""

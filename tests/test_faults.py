@@ -63,7 +63,7 @@ def test_vllm_out_of_memory_is_retried_with_less_memory_then_a_shorter_context(t
     assert [(a["gpu_memory_utilization"], a["max_model_len"]) for a in attempts] == [(0.8, 4096), (0.6, 4096)]
     assert attempts[0]["error"].startswith("OutOfMemoryError: CUDA out of memory")
     # What was finally used is stored with the result.
-    with store.session(tmp_path / "w.duckdb") as con:
+    with store.session(tmp_path / "w.ducklake") as con:
         store.record_speed(con, "r1", "v1", [result])
         config, details = con.execute("SELECT config, details FROM speed_results").fetchone()
     used = json.loads(config)["engine_options"]
@@ -133,7 +133,7 @@ def _begin(con, attempt, key="k"):
 
 def test_a_rerun_resumes_only_an_unfinished_run_of_the_same_request(tmp_path, monkeypatch):
     monkeypatch.setattr("platform.node", lambda: "this-host")
-    with store.session(tmp_path / "w.duckdb") as con:
+    with store.session(tmp_path / "w.ducklake") as con:
         assert _begin(con, "a1") == ("a1", False)
         store.finish_run(con, "a1", attempt_id="a1")
         assert _begin(con, "a2") == ("a2", False)  # after a finished run: a new run
@@ -158,7 +158,7 @@ def test_a_rerun_resumes_only_an_unfinished_run_of_the_same_request(tmp_path, mo
 def test_stage_rows_and_their_mark_commit_together(tmp_path):
     from tests.test_warehouse import _speed
 
-    with store.session(tmp_path / "w.duckdb") as con:
+    with store.session(tmp_path / "w.ducklake") as con:
         with pytest.raises(RuntimeError), store.transaction(con):
             store.record_speed(con, "r", "v", [_speed(1.0)])  # its own transaction joins the outer one
             store.mark_stage(con, "r", "benchmark", "v", None, "a")
@@ -211,13 +211,13 @@ def test_finite_weights_with_nan_outputs_fail_the_variant(tiny_model, tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})
     assert all(torch.isfinite(t.float()).all() for t in tensors.values())
 
-    card = evaluate_model(model="tiny", catalog=str(cat_path), warehouse=str(tmp_path / "w.duckdb"), workdir=str(work))
+    card = evaluate_model(model="tiny", catalog=str(cat_path), warehouse=str(tmp_path / "w.ducklake"), workdir=str(work))
     by_name = {r["variant"]: r for r in card}
     bad = by_name["rtn-w8a16"]
     assert bad["decision"] == "reject" and "rtn-w8a16: outputs contain NaN/Inf (qg_simple_stories/" in bad["reason"]
-    with store.session(tmp_path / "w.duckdb", read_only=True) as con:
+    with store.session(tmp_path / "w.ducklake", read_only=True) as con:
         assert con.execute("SELECT status FROM runs").fetchone()[0] == "completed"
-    with store.session(tmp_path / "w.duckdb", read_only=True) as con:
+    with store.session(tmp_path / "w.ducklake", read_only=True) as con:
         status, error = con.execute("SELECT status, error FROM variants WHERE variant_uid = ?", [poisoned.uid]).fetchone()
         # Not measured further: no KL or speed for a variant whose outputs are garbage.
         assert con.execute("SELECT count(*) FROM quality_evals WHERE variant_uid = ?", [poisoned.uid]).fetchone()[0] == 1
@@ -234,7 +234,7 @@ def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(
     every = sorted(store.MIGRATIONS.glob("*.sql"))
     for f in every[:every.index(store.MIGRATIONS / "0005_run_stages.sql")]:
         shutil.copy(f, old)
-    path = tmp_path / "w.duckdb"
+    path = tmp_path / "w.ducklake"
     with monkeypatch.context() as m:
         m.setattr(store, "MIGRATIONS", old)
         m.setattr(store, "apply_views", lambda con, force=False: None)  # today's views need today's tables

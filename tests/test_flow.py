@@ -22,7 +22,7 @@ def counts(con, tables=TABLES):
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory, tiny_model_module):
     tmp = tmp_path_factory.mktemp("flow")
-    wh, work = str(tmp / "w.duckdb"), str(tmp / "work")
+    wh, work = str(tmp / "w.ducklake"), str(tmp / "work")
     first = evaluate_model(model="stories260k", warehouse=wh, workdir=work)
     with store.session(wh, read_only=True) as con:
         after_first = counts(con)

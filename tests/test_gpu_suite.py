@@ -249,7 +249,7 @@ def prefect_api():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks a machine without vllm")
 def test_flow_on_a_cpu_machine_runs_cpu_steps_and_records_gpu_ones_as_skipped(tmp_path, prefect_api):
     suite = _tiny_suite(tmp_path)
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
 
     steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="tiny", suite=str(suite))
 
@@ -286,7 +286,7 @@ def test_flow_on_a_cpu_machine_runs_cpu_steps_and_records_gpu_ones_as_skipped(tm
 def test_flow_on_two_gpu_lanes_runs_each_step_in_its_own_process_into_one_run(tmp_path, prefect_api):
     """The lanes' plumbing on a CPU machine: the two CPU steps run side by side in processes that see one
     "GPU" each, both write the same warehouse, and the run is one run; GPU timing is for the device."""
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
 
     steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="tiny", suite=str(_tiny_suite(tmp_path)),
                       parts=["cpu", "tp2"], gpus=["0", "1"])
@@ -304,7 +304,7 @@ def test_flow_on_two_gpu_lanes_runs_each_step_in_its_own_process_into_one_run(tm
 
 
 def test_flow_past_its_deadline_starts_nothing(tmp_path, prefect_api):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
 
     steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="tiny", suite=str(_tiny_suite(tmp_path)),
                       parts=["cpu", "serving"], deadline_s=0)

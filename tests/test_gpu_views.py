@@ -54,7 +54,7 @@ def _speed(
 
 @pytest.fixture
 def con(tmp_path):
-    with store.session(tmp_path / "w.duckdb") as con:
+    with store.session(tmp_path / "w.ducklake") as con:
         store.start_run(con, RUN, "gpu-suite", "qwen-7b", "gpu.yaml", "h", "host", {"vllm": "0.26.0"})
         store.record_model(con, RUN, ModelArtifact("qwen-7b", "/m", "local", None, "abc" * 10))
         store.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
@@ -180,7 +180,7 @@ def test_speedup_carries_the_range_its_passes_allow(tmp_path):
     def passes(*tps: float) -> list[dict]:
         return [{"tokens_per_s": t, "wall_s": 1.0} for t in tps]
 
-    with store.session(tmp_path / "r.duckdb") as con:
+    with store.session(tmp_path / "r.ducklake") as con:
         store.start_run(con, RUN, "evaluate-model", "qwen-7b", "models.yaml", "h", "host", {})
         store.record_model(con, RUN, ModelArtifact("qwen-7b", "/m", "local", None, "abc" * 10))
         store.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")

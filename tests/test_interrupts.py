@@ -75,7 +75,7 @@ def interrupt(args: list[str], prefect_api: str, point: str, sig: int, tmp: Path
 def test_interrupted_in_every_stage_fails_the_run_then_resumes(tmp_path, prefect_api):
     if not TINY_MODEL.exists():
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
-    cat, wh, work = catalog(tmp_path, TINY_MODEL), tmp_path / "w.duckdb", tmp_path / "work"
+    cat, wh, work = catalog(tmp_path, TINY_MODEL), tmp_path / "w.ducklake", tmp_path / "work"
     args = ["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(work)]
     run_ids = set()
     for point, stage, sig in CASES:

@@ -60,7 +60,7 @@ def test_lanes_from_gpus_and_the_environment(monkeypatch):
 def test_two_lanes_measure_two_checkpoints_side_by_side_each_on_its_own_gpu(tmp_path):
     if not TINY_MODEL.exists():
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
-    wh = str(tmp_path / "w.duckdb")
+    wh = str(tmp_path / "w.ducklake")
     card = evaluate_model(model="tiny", catalog=str(catalog(tmp_path)), warehouse=wh, workdir=str(tmp_path / "work"),
                           gpus="0,1")
     run_id = card[0]["run_id"]

@@ -67,7 +67,7 @@ def seed(con, run_id, key, builds, started):
 
 @pytest.fixture
 def warehouse(tmp_path):
-    path = tmp_path / "w.duckdb"
+    path = tmp_path / "w.ducklake"
     with store.session(path) as con:
         # Run 1. gptq loses 6 items; awq (recipe a1) loses 4.
         seed(con, "r1", "k1", {

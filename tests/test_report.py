@@ -70,7 +70,7 @@ def seed(con, run_id, started, acc_shift=0.0, model="m", speed=True):
 
 @pytest.fixture(scope="module")
 def warehouse(tmp_path_factory):
-    path = tmp_path_factory.mktemp("report") / "w.duckdb"
+    path = tmp_path_factory.mktemp("report") / "w.ducklake"
     with store.session(path) as con:
         seed(con, "r1", "2026-01-01 10:00:00")
         seed(con, "r2", "2026-01-02 10:00:00", acc_shift=0.1)  # awq's accuracy drops far beyond noise
@@ -124,7 +124,7 @@ def test_pareto_frontier_keeps_only_undominated_points():
 
 
 def test_empty_warehouse_reports_what_is_missing(tmp_path):
-    with store.session(tmp_path / "e.duckdb") as con:
+    with store.session(tmp_path / "e.ducklake") as con:
         html = report.render(con)
     assert "No evaluate-model runs" in html and "No serving loads measured" in html and "<svg" not in html
 

@@ -49,7 +49,7 @@ def test_a_token_from_the_environment_is_used_and_appears_nowhere(model_copy, tm
           version: 1
           quality: [{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.95, higher_is_better: false}]
     """))
-    wh, work, hf = tmp_path / "w.duckdb", tmp_path / "work", tmp_path / "hf"
+    wh, work, hf = tmp_path / "w.ducklake", tmp_path / "work", tmp_path / "hf"
     env = {"HF_TOKEN": TOKEN, "HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
            "HF_HOME": str(hf), "PREFECT_LOGGING_LEVEL": "DEBUG"}
     try:

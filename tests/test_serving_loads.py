@@ -72,7 +72,7 @@ def test_loads_run_in_order_and_land_in_the_views(tmp_path):
     assert loads[2].records[-1].arrival_offset_s == pytest.approx(6 / 50)
     assert all(ld.energy_j is None for ld in loads)  # no energy counter on a CPU
 
-    with store.session(tmp_path / "w.duckdb") as con:
+    with store.session(tmp_path / "w.ducklake") as con:
         store.record_serving(con, "r", "v", "vllm", "serving", loads, Slo(**scenario.slo.model_dump()))
         pct = {r["load"]: r for r in store.rows(con, "SELECT * FROM latency_percentiles")}
         good = {r["load"]: r for r in store.rows(con, "SELECT * FROM serving_goodput")}

@@ -61,7 +61,7 @@ def test_checkpoints_of_one_format_are_measured_once(tmp_path, prefect_api):
                                               "gptq-w4a16-g32": "{method: gptq, scheme: W4A16, group_size: 32}",
                                               "rtn-w8a16": "{method: rtn, scheme: W8A16, group_size: null}"},
                        limit=2, min_recovery=0.5, calibration="{kind: text, samples: 4, seq_len: 32}")
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     result = run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(tmp_path / "work")], prefect_api)
     assert result.returncode == 0, result.stderr[-3000:]
     with store.session(wh, read_only=True) as con:

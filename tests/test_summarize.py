@@ -30,7 +30,7 @@ def _warehouse_from(results: Path, path: Path) -> Path:
 
 
 def test_a_tables_only_export_summarizes_the_same_bytes_twice(tmp_path):
-    wh = _warehouse_from(RESULTS / "suite5-lanes", tmp_path / "lanes.duckdb")
+    wh = _warehouse_from(RESULTS / "suite5-lanes", tmp_path / "lanes.ducklake")
     export = tmp_path / "export"
     done = run_cli(["export", str(export), "--tables-only", "--warehouse", str(wh)])
     assert done.returncode == 0, done.stderr

@@ -229,7 +229,7 @@ def _serving_row(con, run_id, uid, name, loads, slo, config=None, device="NVIDIA
 
 @pytest.fixture
 def warehouse(tmp_path):
-    path = tmp_path / "w.duckdb"
+    path = tmp_path / "w.ducklake"
     slo = Slo(ttft_ms=100)
     with store.session(path) as con:
         store.start_run(con, "r1", "gpu-suite", "m", "gpu.yaml", "h", "host", {})
@@ -348,7 +348,7 @@ def test_report_shows_cost_and_the_tuned_config(warehouse):
 
 
 def test_variant_serving_compares_tuned_configs_with_the_base(tmp_path):
-    path = tmp_path / "w.duckdb"
+    path = tmp_path / "w.ducklake"
     slo = Slo(ttft_ms=100)
     point = lambda p, s: {"kind": "serving", "slo": {"ttft_ms": 100},  # noqa: E731
                           "sweep": {"scenario": "gpu-serving", "point": p, "settings": s}}

@@ -54,7 +54,7 @@ def catalog(tmp: Path, second_set: str) -> Path:
 
 def test_one_recipe_with_two_calibration_sets_is_two_variants_each_built_with_its_own(tmp_path):
     cat_path = catalog(tmp_path, "stdlib-seed1")
-    wh = str(tmp_path / "w.duckdb")
+    wh = str(tmp_path / "w.ducklake")
     card = evaluate_model(model="tiny", catalog=str(cat_path), warehouse=wh, workdir=str(tmp_path / "work"))
     with store.session(wh, read_only=True) as con:
         rows = {r["name"]: r for r in store.rows(con, "SELECT v.*, r.reused FROM variants v JOIN run_variants r"
@@ -77,7 +77,7 @@ def test_one_recipe_with_two_calibration_sets_is_two_variants_each_built_with_it
 
 def test_a_variants_calibration_set_on_the_evaluated_text_is_refused_before_any_build(tmp_path):
     cat_path = catalog(tmp_path, "stories")
-    wh, work = str(tmp_path / "w.duckdb"), tmp_path / "work"
+    wh, work = str(tmp_path / "w.ducklake"), tmp_path / "work"
     state = evaluate_model(model="tiny", catalog=str(cat_path), warehouse=wh, workdir=str(work), return_state=True)
     assert state.is_failed()
     # One line naming the variant's set (the model's own set, checked first, passes).

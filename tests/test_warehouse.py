@@ -42,7 +42,7 @@ def seed_run(con, run_id, variant_ppl=4.0, base_tps=100.0, variant_tps=150.0):
 
 
 def test_migrations_apply_once_and_views_compute(tmp_path):
-    path = tmp_path / "w.duckdb"
+    path = tmp_path / "w.ducklake"
     with store.session(path) as con:
         seed_run(con, "r1")
         rec = {(r["task"], r["metric"]): r["recovery"] for r in store.rows(con, "SELECT * FROM variant_recovery")}
@@ -56,7 +56,7 @@ def test_migrations_apply_once_and_views_compute(tmp_path):
 
 
 def test_each_number_shows_the_protocol_it_was_asked_with(tmp_path):
-    with store.session(tmp_path / "w.duckdb") as con:
+    with store.session(tmp_path / "w.ducklake") as con:
         seed_run(con, "r1")  # evaluations stored without protocols: shown as NULL
         assert {r["protocol"] for r in store.rows(con, "SELECT protocol FROM variant_recovery")} == {None}
         store.start_run(con, "r2", "evaluate-model", "m", "c.yaml", "h", "host", {})
@@ -73,7 +73,7 @@ def test_each_number_shows_the_protocol_it_was_asked_with(tmp_path):
 def test_views_are_recreated_only_when_their_sql_changes(tmp_path, monkeypatch):
     import shutil
 
-    path = tmp_path / "w.duckdb"
+    path = tmp_path / "w.ducklake"
     views = tmp_path / "views"
     shutil.copytree(store.VIEWS, views)
     monkeypatch.setattr(store, "VIEWS", views)
@@ -83,19 +83,21 @@ def test_views_are_recreated_only_when_their_sql_changes(tmp_path, monkeypatch):
     with store.session(path) as con:  # same SQL: nothing recreated
         assert held(con) == first
     (views / "99_extra.sql").write_text("CREATE OR REPLACE VIEW extra_view AS SELECT 42 AS answer;")
+    store.close_all()  # a process checks the views at its first writable session
     with store.session(path) as con:  # changed SQL: recreated, the new view included
         assert held(con)[0] != first[0]
         assert con.execute("SELECT answer FROM extra_view").fetchone() == (42,)
     # A view file that fails leaves the views and their checksum as they were, and says why.
     (views / "99_extra.sql").write_text("CREATE OR REPLACE VIEW extra_view AS SELECT * FROM no_such_table;")
-    with pytest.raises(Exception, match="no_such_table"):
-        store.connect(path)
+    store.close_all()
+    with pytest.raises(Exception, match="no_such_table"), store.session(path):
+        pass
     with store.session(path, read_only=True) as con:
         assert con.execute("SELECT answer FROM extra_view").fetchone() == (42,)
 
 
 def test_rewriting_the_same_results_adds_no_rows(tmp_path):
-    with store.session(tmp_path / "w.duckdb") as con:
+    with store.session(tmp_path / "w.ducklake") as con:
         seed_run(con, "r1")
         before = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("variants", "quality_results", "quality_samples", "speed_results", "models")}
         seed_run(con, "r1")
@@ -108,7 +110,7 @@ def test_rewriting_the_same_results_adds_no_rows(tmp_path):
 def test_scorecard_shows_latest_run_only(tmp_path):
     from quantgate.tasks.records import Decision
 
-    with store.session(tmp_path / "w.duckdb") as con:
+    with store.session(tmp_path / "w.ducklake") as con:
         for run in ("r1", "r2"):
             seed_run(con, run)
             store.record_decisions(con, run, [Decision("v1", "accept", f"accept: {run}", [], "ph", 0.9, 1.5, 0.25)], {"version": 1})
@@ -120,55 +122,66 @@ def test_a_changed_migration_is_refused(tmp_path, monkeypatch):
     mig = tmp_path / "migrations"
     shutil.copytree(store.MIGRATIONS, mig)
     monkeypatch.setattr(store, "MIGRATIONS", mig)
-    path = tmp_path / "w.duckdb"
-    store.connect(path).close()
+    path = tmp_path / "w.ducklake"
+    with store.session(path):
+        pass
+    store.close_all()
     first = sorted(mig.glob("*.sql"))[0]
     first.write_text(first.read_text() + "\n-- edited\n")
-    with pytest.raises(store.WarehouseError, match="changed after it was applied"):
-        store.connect(path)
+    with pytest.raises(store.WarehouseError, match="changed after it was applied"), store.session(path):
+        pass
 
 
 def test_schema_newer_than_code_and_foreign_files(tmp_path):
-    path = tmp_path / "w.duckdb"
+    path = tmp_path / "w.ducklake"
     with store.session(path) as con:
         con.execute("INSERT INTO schema_migrations VALUES (999, '0999_future.sql', 'x', now())")
-    with pytest.raises(store.WarehouseError, match="schema version 999 is newer"):
-        store.connect(path)
+    store.close_all()
+    with pytest.raises(store.WarehouseError, match="schema version 999 is newer"), store.session(path):
+        pass
     with pytest.raises(store.WarehouseError, match="schema version 999 is newer"):
         store.connect(path, read_only=True)
-    junk = tmp_path / "junk.duckdb"
+    junk = tmp_path / "junk.ducklake"
     junk.write_text("this is not a database" * 100)
-    with pytest.raises(store.WarehouseError, match="not a DuckDB warehouse"):
-        store.connect(junk)
-    other = tmp_path / "other.duckdb"
-    duckdb.connect(str(other)).close()
-    with pytest.raises(store.WarehouseError, match="not a quantgate warehouse"):
-        store.connect(other, read_only=True)
+    with pytest.raises(store.WarehouseError, match="not a quantgate warehouse"), store.session(junk):
+        pass
+    old = tmp_path / "quantgate.duckdb"  # a warehouse of before the lake: how to bring it over
+    duckdb.connect(str(old)).close()
+    with pytest.raises(store.WarehouseError, match="quantgate warehouse import"):
+        store.connect(old, read_only=True)
 
 
-def test_second_writer_waits_then_gives_a_clear_error(tmp_path):
-    path = tmp_path / "w.duckdb"
-    store.connect(path).close()
+def test_a_reader_never_waits_and_a_second_writer_waits_then_gives_a_clear_error(tmp_path, monkeypatch):
+    path = tmp_path / "w.ducklake"
+    with store.session(path) as con:
+        seed_run(con, "r1")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import duckdb, sys, time
-        con = duckdb.connect({str(path)!r})
-        print("locked", flush=True)
-        time.sleep(30)
+        import time
+        from quantgate.warehouse import store
+        with store.session({str(path)!r}) as con, store.transaction(con):
+            store.start_run(con, "r2", "evaluate-model", "m", None, None, "host", {{}})
+            print("holding", flush=True)
+            time.sleep(30)
     """)], stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(store.WarehouseError, match="locked by another writer"):
-            store.connect(path, wait_s=1.0)
+        assert holder.stdout.readline().strip() == "holding"
+        with store.session(path, read_only=True) as con:  # the committed snapshot, at once
+            assert [r for (r,) in con.execute("SELECT run_id FROM runs").fetchall()] == ["r1"]
+        monkeypatch.setenv(store.LOCK_WAIT_ENV, "1")
+        with pytest.raises(store.WarehouseError, match="another writer held the warehouse for more than 1s"), \
+                store.session(path):
+            pass
     finally:
         holder.kill()
         holder.wait()
-    store.connect(path, wait_s=5.0).close()  # free again once the other writer is gone
+    with store.session(path) as con:  # free again once the other writer is gone; its open write left nothing
+        assert [r for (r,) in con.execute("SELECT run_id FROM runs").fetchall()] == ["r1"]
 
 
 @pytest.mark.parametrize("raised, error", [(ValueError("bad\nsecond line"), "ValueError: bad"),
                                            (KeyboardInterrupt(), "interrupted (KeyboardInterrupt)")])
 def test_run_outcome_records_a_failure_or_an_interrupt_and_reraises(tmp_path, raised, error):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     with store.session(wh) as con:
         store.start_run(con, "r", "gpu-suite", "m", "c.yaml", "h", "host", {})
     with pytest.raises(type(raised)), store.run_outcome(wh, "r"):
@@ -179,7 +192,7 @@ def test_run_outcome_records_a_failure_or_an_interrupt_and_reraises(tmp_path, ra
 
 
 def test_run_outcome_marks_a_clean_end_completed(tmp_path):
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     with store.session(wh) as con:
         store.start_run(con, "r", "gpu-suite", "m", "c.yaml", "h", "host", {})
     with store.run_outcome(wh, "r"):
@@ -194,7 +207,7 @@ def test_writing_sessions_of_one_process_take_turns(tmp_path):
     which two at once would conflict on; with turns every write lands."""
     import threading
 
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     with store.session(wh) as con:
         store.start_run(con, "r", "gpu-suite", "m", "c.yaml", "h", "host", {})
     errors = []
@@ -215,47 +228,3 @@ def test_writing_sessions_of_one_process_take_turns(tmp_path):
     assert errors == []
     with store.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM run_prices").fetchone()[0] == 20
-
-
-def test_migration_0010_keeps_old_decisions_readable_and_admits_inconclusive(tmp_path, monkeypatch):
-    from quantgate.tasks.records import Decision, DecisionCheck
-
-    old = tmp_path / "migrations"
-    old.mkdir()
-    for f in sorted(store.MIGRATIONS.glob("*.sql")):
-        if int(f.name.split("_", 1)[0]) < 9:
-            shutil.copy(f, old / f.name)
-    path = tmp_path / "w.duckdb"
-    with monkeypatch.context() as m:  # a warehouse as 0008 left it, its decision with the checks as JSON
-        m.setattr(store, "MIGRATIONS", old)
-        m.setattr(store, "apply_views", lambda con, force=False: None)  # today's views need today's tables
-        with store.session(path) as con:
-            seed_run(con, "r1")
-            con.execute("INSERT INTO decisions VALUES ('r1', 'v1', 'reject', 'reject: qg_piqa/acc recovery 0.95 < 0.99',"
-                        " ?, 0.95, 1.5, 0.25, 'ph', '{\"version\": 1}', now(), 0.9, 0.02)",
-                        ['[{"check": "serving gpu-serving", "passed": false, "value": 0.5, "point": "default"}]'])
-            with pytest.raises(duckdb.ConstraintException):
-                con.execute("INSERT INTO decisions VALUES ('r1', 'v2', 'inconclusive', 'x', NULL, NULL, NULL, NULL,"
-                            " 'ph', '{}', now(), NULL, NULL)")
-    with store.session(path) as con:
-        assert con.execute("SELECT max(version) FROM schema_migrations").fetchone() == (len(list(store.MIGRATIONS.glob("*.sql"))),)
-        (kept,) = store.rows(con, "SELECT * FROM decisions")
-        assert (kept["decision"], kept["reason"], kept["quality_lower_bound"], kept["flip_rate"]) == (
-            "reject", "reject: qg_piqa/acc recovery 0.95 < 0.99", 0.9, 0.02)
-        assert '"passed": false' in kept["checks"]  # the old JSON stays as it was
-        (card,) = store.rows(con, "SELECT * FROM variant_scorecard")
-        assert (card["decision"], card["reason"], card["size_ratio"]) == ("reject", kept["reason"], 0.25)
-        assert card["deciding_check"] is None and card["serving_goodput_ratio"] is None  # no check rows for it
-
-        seed_run(con, "r2")
-        check = DecisionCheck("quality", "qg_piqa/acc", "inconclusive", "qg_piqa/acc spans 0.95", task="qg_piqa",
-                              metric="acc", value=0.96, lower=0.93, upper=0.99, threshold=0.95, items=100,
-                              items_to_decide=440, min_detectable_drop=0.03)
-        store.record_decisions(con, "r2", [Decision("v1", "inconclusive", "inconclusive: qg_piqa/acc spans 0.95",
-                                                     [check], "ph", 0.96, None, 0.25, 0.93)], {"version": 1})
-        (card,) = store.rows(con, "SELECT * FROM variant_scorecard")
-        assert (card["run_id"], card["decision"], card["deciding_check"], card["deciding_value"],
-                card["deciding_threshold"], card["items_to_decide"], card["min_detectable_drop"]) == (
-            "r2", "inconclusive", "qg_piqa/acc", 0.96, 0.95, 440, 0.03)
-        assert [r["decision"] for r in store.rows(con, "SELECT decision FROM decisions ORDER BY run_id")] == [
-            "reject", "inconclusive"]

@@ -1,4 +1,4 @@
-"""The DuckDB warehouse: connections, versioned migrations, views and transactional writes."""
+"""The warehouse: sessions on the lake (warehouse/lake.py), versioned migrations, views and transactional writes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -24,6 +23,8 @@ from quantgate.tasks.records import (
     SpeedResult,
     VariantArtifact,
 )
+from quantgate.warehouse import lake
+from quantgate.warehouse.lake import WarehouseError
 
 if TYPE_CHECKING:
     from quantgate.tasks.speed.client import ServingLoad
@@ -33,18 +34,23 @@ HERE = Path(__file__).resolve().parent
 MIGRATIONS = HERE / "migrations"
 VIEWS = HERE / "views"
 ENV_VAR = "QUANTGATE_WAREHOUSE"
-DEFAULT_PATH = "quantgate.duckdb"
-# How long a writer waits for another writer's lock before giving up with a one-line error.
+DATA_ENV_VAR = "QUANTGATE_WAREHOUSE_DATA"
+DEFAULT_PATH = "quantgate.ducklake"
+# How long a writer waits for the write lock before giving up with a one-line error.
 LOCK_WAIT_ENV = "QUANTGATE_LOCK_WAIT_S"
 DEFAULT_LOCK_WAIT_S = 60.0
 
-
-class WarehouseError(RuntimeError):
-    """A warehouse that cannot be opened or migrated; the message is one line."""
+__all__ = ["WarehouseError"]
 
 
-def default_path() -> Path:
-    return Path(os.environ.get(ENV_VAR, DEFAULT_PATH))
+def default_path() -> str:
+    return os.environ.get(ENV_VAR, DEFAULT_PATH)
+
+
+def address(location: str | Path | None = None) -> lake.Address:
+    """The warehouse named by `location`, else by $QUANTGATE_WAREHOUSE, else ./quantgate.ducklake; the data path
+    of a new one from $QUANTGATE_WAREHOUSE_DATA."""
+    return lake.address(location or default_path(), os.environ.get(DATA_ENV_VAR) or None)
 
 
 def now() -> datetime:
@@ -72,94 +78,162 @@ def _lock_wait_s() -> float:
         raise WarehouseError(f"{LOCK_WAIT_ENV}={raw!r}: expected a number of seconds") from None
 
 
-def connect(path: str | Path | None = None, read_only: bool = False, wait_s: float | None = None,
-            sandbox: bool = False) -> duckdb.DuckDBPyConnection:
-    """Open the warehouse; migrate it when writable. Waits for another writer's lock up to `wait_s`
-    (default $QUANTGATE_LOCK_WAIT_S or 60 s). `sandbox` (read-only only) also shuts SQL off from the file
-    system: no COPY TO, ATTACH, read_csv or extension loading, so a query can neither write nor read files."""
-    path = Path(path) if path else default_path()
-    wait_s = _lock_wait_s() if wait_s is None else wait_s
-    config = {"enable_external_access": False} if sandbox and read_only else {}
-    if read_only and not path.exists():
-        raise WarehouseError(f"{path}: no such warehouse (run `quantgate demo` or `quantgate run` first)")
-    if not read_only:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + wait_s
-    announced = False
-    while True:
+class _Lake:
+    """This process's database with one warehouse attached, shared by its sessions (each gets a cursor of its
+    own), and the warehouse's write lock, which the outermost writable session of the process holds."""
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        con = self.db.cursor()
+        con.execute(f"USE {lake.ALIAS}")  # a cursor starts in DuckDB's own in-memory catalog
+        if not self.sandbox:
+            con.execute(f"SET disabled_optimizers = '{lake.COSTLY_OPTIMIZERS}'")
+        return con
+
+    def __init__(self, where: lake.Address, read_only: bool, sandbox: bool) -> None:
+        self.where, self.read_only = where, read_only
+        self.db = lake.open_lake(where, read_only)
+        self.sandbox = sandbox
+        if sandbox:
+            self.db.execute(f"SET disabled_optimizers = '{lake.COSTLY_OPTIMIZERS}'")
+            # After the attach: the lake's own files stay readable, nothing else is, and nothing can be set back.
+            readable = [where.data_path] + ([str(where.sqlite_file.parent)] if where.sqlite_file else [])
+            self.db.execute("SET allowed_directories = ?", [[d for d in readable if d]])
+            self.db.execute("SET enable_external_access = false")
+            self.db.execute("SET lock_configuration = true")
+        self.lock = None if read_only else lake.write_lock(where)
+        self.depth = 0
+        self.checked = False
+
+
+_LAKES: dict[tuple[str, bool, bool, int], _Lake] = {}
+_OPENING = threading.Lock()
+# Writable sessions of one process take turns (threads of one flow: lanes, builds and evaluations side by side):
+# the write lock is the process's, and one migrating or recreating the views would conflict with another at it.
+_WRITING = threading.RLock()
+
+
+def _lake(where: lake.Address, read_only: bool, sandbox: bool) -> _Lake:
+    key = (where.catalog, read_only, sandbox, os.getpid())  # a forked child opens its own
+    with _OPENING:
+        if key not in _LAKES:
+            _LAKES[key] = _Lake(where, read_only, sandbox)
+        return _LAKES[key]
+
+
+def close_all() -> None:
+    """Detach every warehouse this process opened (tests that delete or move one; the next session reopens)."""
+    with _OPENING:
+        for opened in _LAKES.values():
+            opened.db.close()
+        _LAKES.clear()
+
+
+@contextmanager
+def session(path: str | Path | None = None, read_only: bool = False,
+            sandbox: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A connection to the warehouse for a few statements. Read-only sessions read a snapshot and never wait.
+    A writable one holds the warehouse's write lock until it ends (waiting for it up to $QUANTGATE_LOCK_WAIT_S,
+    60 s by default), so keep it to the writes of one step; the first in a process migrates the warehouse.
+    `sandbox` (read-only only) also shuts SQL off from every file but the warehouse's own."""
+    where = address(path)
+    opened = _lake(where, read_only, sandbox and read_only)
+    if read_only:
+        con = opened.cursor()
         try:
-            con = duckdb.connect(str(path), read_only=read_only, config=config)
-            break
-        except duckdb.IOException as e:
-            text = str(e)
-            if "lock" in text.lower() and time.monotonic() < deadline:
-                if not announced:
-                    print(f"warehouse {path} is locked by another writer; waiting up to {wait_s:.0f}s", flush=True)
-                    announced = True
-                time.sleep(0.5)
-                continue
-            if "lock" in text.lower():
-                raise WarehouseError(f"{path}: locked by another writer for more than {wait_s:.0f}s") from None
-            if "not a valid DuckDB database" in text or "The file is not a" in text:
-                raise WarehouseError(f"{path}: not a DuckDB warehouse") from None
-            raise WarehouseError(f"{path}: cannot open warehouse ({text.splitlines()[0]})") from None
-        except duckdb.Error as e:
-            raise WarehouseError(f"{path}: cannot open warehouse ({str(e).splitlines()[0]})") from None
-    try:
-        if read_only:
-            _check_version(con, path)
-        else:
-            migrate(con, path)
-    except BaseException:
-        con.close()  # a refused warehouse is not left open in this process
-        raise
+            if not opened.checked:
+                _check_version(con, where.label)
+                opened.checked = True
+            yield con
+        finally:
+            con.close()
+        return
+    with _WRITING:
+        if opened.depth == 0:
+            wait_s = _lock_wait_s()
+            if not opened.lock.acquire(wait_s):
+                raise WarehouseError(f"{where.label}: another writer held the warehouse for more than {wait_s:.0f}s")
+        opened.depth += 1
+        con = opened.cursor()
+        try:
+            if not opened.checked:
+                migrate(con, where.label)
+                opened.checked = True
+            yield con
+        finally:
+            con.close()
+            opened.depth -= 1
+            if opened.depth == 0:
+                opened.lock.release()
+
+
+def connect(path: str | Path | None = None, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """A connection of its own to the warehouse (a script, a notebook): readers only; writers use `session`."""
+    if not read_only:
+        raise WarehouseError("write through store.session, which holds the warehouse's write lock")
+    where = address(path)
+    con = lake.open_lake(where, read_only=True)
+    _check_version(con, where.label)
     return con
 
 
-def _check_version(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+def maintain(path: str | Path | None = None, keep_days: int = 7) -> list[tuple[str, float]]:
+    """DuckLake's maintenance, holding the write lock: (step, seconds) each."""
+    import time
+
+    done = []
+    with session(path) as con:
+        for statement in lake.MAINTENANCE:
+            started = time.monotonic()
+            con.execute(statement.format(keep_days=int(keep_days)))
+            done.append((statement.split("(", 1)[0].removeprefix("CALL "), time.monotonic() - started))
+    return done
+
+
+def _check_version(con: duckdb.DuckDBPyConnection, label: str) -> None:
     known = max(v for v, _, _ in _migrations())
     try:
         (current,) = con.execute("SELECT coalesce(max(version), 0) FROM schema_migrations").fetchone()
     except duckdb.CatalogException:
-        raise WarehouseError(f"{path}: not a quantgate warehouse (no schema_migrations table)") from None
+        raise WarehouseError(f"{label}: not a quantgate warehouse (no schema_migrations table)") from None
     if current > known:
-        raise WarehouseError(f"{path}: schema version {current} is newer than this quantgate knows ({known}); upgrade quantgate")
+        raise WarehouseError(f"{label}: schema version {current} is newer than this quantgate knows ({known}); upgrade quantgate")
 
 
-def migrate(con: duckdb.DuckDBPyConnection, path: Path | str = "warehouse") -> None:
-    """Apply pending migrations (each once, checksum-verified), then (re)create the views."""
-    con.execute(
-        "CREATE TABLE IF NOT EXISTS schema_migrations ("
-        " version INTEGER PRIMARY KEY, name VARCHAR NOT NULL, checksum VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)"
-    )
+def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database()"
+                            " AND schema_name = 'main' AND table_name = ?", [name]).fetchone()[0])
+
+
+def migrate(con: duckdb.DuckDBPyConnection, label: str = "warehouse") -> None:
+    """Apply pending migrations (each once, checksum-verified), then (re)create the views. Works on the lake and on
+    a plain DuckDB database alike (benchmarks/summarize.py loads committed results into one in memory)."""
+    with transaction(con):
+        if not _has_table(con, "schema_migrations"):
+            con.execute("CREATE TABLE schema_migrations (version INTEGER NOT NULL, name VARCHAR NOT NULL,"
+                        " checksum VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)")
     applied = {v: (n, c) for v, n, c in con.execute("SELECT version, name, checksum FROM schema_migrations").fetchall()}
     known = _migrations()
     if applied and max(applied) > max(v for v, _, _ in known):
         raise WarehouseError(
-            f"{path}: schema version {max(applied)} is newer than this quantgate knows ({max(v for v, _, _ in known)}); upgrade quantgate"
+            f"{label}: schema version {max(applied)} is newer than this quantgate knows ({max(v for v, _, _ in known)}); upgrade quantgate"
         )
     migrated = False
     for version, name, sql in known:
         checksum = _checksum(sql)
         if version in applied:
             if applied[version][1] != checksum:
-                raise WarehouseError(f"{path}: migration {name} changed after it was applied; add a new migration instead")
+                raise WarehouseError(f"{label}: migration {name} changed after it was applied; add a new migration instead")
             continue
         migrated = True
-        con.execute("BEGIN TRANSACTION")
-        try:
+        with transaction(con):
             con.execute(sql)
             con.execute("INSERT INTO schema_migrations VALUES (?, ?, ?, ?)", [version, name, checksum, now()])
-            con.execute("COMMIT")
-        except Exception:
-            con.execute("ROLLBACK")
-            raise
     apply_views(con, force=migrated)
 
 
 def apply_views(con: duckdb.DuckDBPyConnection, force: bool = False) -> None:
     """(Re)create the views when their SQL differs from what the warehouse holds (or `force`, after a
-    migration): recreating all of them costs a writable open ~60 ms, and two threads at it conflict."""
+    migration): recreating all of them on every writable open would cost each a new snapshot."""
     files = sorted(VIEWS.glob("*.sql"))
     sql = [f.read_text() for f in files]
     checksum = _checksum("\n".join(f"-- {f.name}\n{text}" for f, text in zip(files, sql)))
@@ -169,25 +243,7 @@ def apply_views(con: duckdb.DuckDBPyConnection, force: bool = False) -> None:
     with transaction(con):
         for text in sql:
             con.execute(text)
-        con.execute("INSERT OR REPLACE INTO schema_views VALUES (1, ?, ?)", [checksum, now()])
-
-
-@contextmanager
-def session(path: str | Path | None = None, read_only: bool = False,
-            sandbox: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A short-lived connection: DuckDB admits one writing process, so writers never hold the file between steps.
-    Within a process, sessions take turns (threads of one flow: the lanes, builds and evaluations side by side):
-    one that migrates or recreates the views would conflict with another at it, and DuckDB refuses a read-only
-    connection to a file this process holds open for writing."""
-    with _WRITING:
-        con = connect(path, read_only=read_only, sandbox=sandbox)
-        try:
-            yield con
-        finally:
-            con.close()
-
-
-_WRITING = threading.RLock()
+        _replace(con, "schema_views", {"id": 1}, {"checksum": checksum, "applied_at": now()})
 
 
 _open_transactions: set[int] = set()
@@ -208,7 +264,33 @@ def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConne
         con.execute("ROLLBACK")
         raise
     _open_transactions.discard(id(con))
-    con.execute("COMMIT")
+    try:
+        con.execute("COMMIT")
+    except duckdb.Error as e:
+        raise WarehouseError(f"warehouse: the write did not commit ({str(e).splitlines()[0]})") from None
+
+
+def _replace(con, table: str, key: dict[str, Any], values: dict[str, Any]) -> None:
+    """The row of `key` in `table` is now `key` + `values` (DuckLake has no keys to upsert on; the write lock
+    makes the delete and insert one step)."""
+    where = " AND ".join(f'"{c}" = ?' for c in key)
+    with transaction(con):
+        con.execute(f"DELETE FROM {table} WHERE {where}", list(key.values()))
+        _insert(con, table, {**key, **values})
+
+
+def _insert_new(con, table: str, key: dict[str, Any], values: dict[str, Any]) -> bool:
+    """Insert the row unless its key is there; whether it was inserted."""
+    where = " AND ".join(f'"{c}" = ?' for c in key)
+    if con.execute(f"SELECT 1 FROM {table} WHERE {where} LIMIT 1", list(key.values())).fetchone():
+        return False
+    _insert(con, table, {**key, **values})
+    return True
+
+
+def _insert(con, table: str, row: dict[str, Any]) -> None:
+    columns = ", ".join(f'"{c}"' for c in row)
+    con.execute(f"INSERT INTO {table} ({columns}) VALUES ({', '.join('?' * len(row))})", list(row.values()))
 
 
 def _json(obj: Any) -> str | None:
@@ -221,12 +303,11 @@ def _json(obj: Any) -> str | None:
 def start_run(con, run_id: str, flow_name: str, model_id: str | None, catalog_path: str | None,
               catalog_hash: str | None, host: str, versions: dict[str, str]) -> None:
     with transaction(con):
-        con.execute(
-            "INSERT INTO runs (run_id, flow_name, model_id, started_at, status, catalog_path, catalog_hash, host, versions)"
-            " VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?)"
-            " ON CONFLICT (run_id) DO UPDATE SET status = 'running', error = NULL, finished_at = NULL",
-            [run_id, flow_name, model_id, now(), catalog_path, catalog_hash, host, _json(versions)],
-        )
+        started = _insert_new(con, "runs", {"run_id": run_id}, {
+            "flow_name": flow_name, "model_id": model_id, "started_at": now(), "status": "running",
+            "catalog_path": catalog_path, "catalog_hash": catalog_hash, "host": host, "versions": _json(versions)})
+        if not started:
+            con.execute("UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = ?", [run_id])
 
 
 def finish_run(con, run_id: str, error: str | None = None, attempt_id: str | None = None) -> None:
@@ -310,24 +391,19 @@ def begin_run(con, attempt_id: str, flow_name: str, model_id: str, resume_key: s
 
 
 def _attempt(con, attempt_id: str, run_id: str, host: str) -> None:
-    con.execute(
-        "INSERT INTO run_attempts (attempt_id, run_id, host, pid, started_at, status) VALUES (?, ?, ?, ?, ?, 'running')"
-        " ON CONFLICT (attempt_id) DO UPDATE SET pid = excluded.pid, status = 'running', error = NULL, finished_at = NULL",
-        [attempt_id, run_id, host, os.getpid(), now()],
-    )
+    if not _insert_new(con, "run_attempts", {"attempt_id": attempt_id}, {
+            "run_id": run_id, "host": host, "pid": os.getpid(), "started_at": now(), "status": "running"}):
+        con.execute("UPDATE run_attempts SET pid = ?, status = 'running', error = NULL, finished_at = NULL"
+                    " WHERE attempt_id = ?", [os.getpid(), attempt_id])
 
 
 def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, attempt_id: str,
                started_at: datetime | None = None, engine_starts: int = 0) -> None:
     """Mark a stage of a run complete, with when it began and the engine starts it made; call it inside the
     transaction that writes the stage's rows."""
-    con.execute(
-        "INSERT INTO run_stages (run_id, stage, item, detail, attempt_id, completed_at, started_at, engine_starts)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, stage, item) DO UPDATE SET"
-        " detail = excluded.detail, attempt_id = excluded.attempt_id, completed_at = excluded.completed_at,"
-        " started_at = excluded.started_at, engine_starts = excluded.engine_starts",
-        [run_id, stage, item, detail, attempt_id, now(), started_at, engine_starts],
-    )
+    _replace(con, "run_stages", {"run_id": run_id, "stage": stage, "item": item},
+             {"detail": detail, "attempt_id": attempt_id, "completed_at": now(), "started_at": started_at,
+              "engine_starts": engine_starts})
 
 
 def scorecard(con, run_id: str) -> list[dict[str, Any]]:
@@ -433,11 +509,10 @@ def fail_variant(con, variant_uid: str, error: str) -> None:
 
 def record_model(con, run_id: str, model: ModelArtifact) -> None:
     with transaction(con):
-        con.execute(
-            "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (model_uid) DO NOTHING",
-            [model.uid, model.model_id, model.source, model.revision, model.sha, model.path,
-             model.architecture, model.num_parameters, model.size_bytes, run_id],
-        )
+        _insert_new(con, "models", {"model_uid": model.uid}, {
+            "model_id": model.model_id, "source": model.source, "revision": model.revision, "sha": model.sha,
+            "path": model.path, "architecture": model.architecture, "num_parameters": model.num_parameters,
+            "size_bytes": model.size_bytes, "first_run_id": run_id})
 
 
 def record_variant(con, run_id: str, v: VariantArtifact, role: str) -> None:
@@ -458,11 +533,16 @@ def record_variant(con, run_id: str, v: VariantArtifact, role: str) -> None:
                  "failed" if v.status == "skipped" else v.status, v.error, run_id, now(), v.weights,
                  v.status == "skipped"],
             )
-        con.execute(
-            "INSERT INTO run_variants (run_id, variant_uid, role, reused) VALUES (?, ?, ?, ?)"
-            " ON CONFLICT (run_id, variant_uid) DO UPDATE SET reused = excluded.reused",
-            [run_id, v.uid, role, v.reused],
-        )
+        link_variant(con, run_id, v.uid, role, v.reused)
+
+
+def link_variant(con, run_id: str, variant_uid: str, role: str, reused: bool) -> None:
+    """The run looks at this variant (built by it, or reused); a second call updates `reused`."""
+    with transaction(con):
+        if not _insert_new(con, "run_variants", {"run_id": run_id, "variant_uid": variant_uid},
+                           {"role": role, "reused": reused}):
+            con.execute("UPDATE run_variants SET reused = ? WHERE run_id = ? AND variant_uid = ?",
+                        [reused, run_id, variant_uid])
 
 
 def find_variant(con, uid: str) -> dict[str, Any] | None:
@@ -550,13 +630,12 @@ _JSON_SPEED = {"config", "repetitions", "versions", "details"}
 
 
 def record_speed(con, run_id: str, variant_uid: str, results: Sequence[SpeedResult]) -> None:
-    columns = ("run_id", "variant_uid", *_SPEED_COLUMNS, "created_at")
-    sql = f"INSERT OR REPLACE INTO speed_results ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
     with transaction(con):
         for r in results:
             d = asdict(r)
-            values = [_json(d[c]) if c in _JSON_SPEED else d[c] for c in _SPEED_COLUMNS]
-            con.execute(sql, [run_id, variant_uid, *values, now()])
+            values = {c: _json(d[c]) if c in _JSON_SPEED else d[c] for c in _SPEED_COLUMNS if c not in ("engine", "scenario")}
+            _replace(con, "speed_results", {"run_id": run_id, "variant_uid": variant_uid, "engine": r.engine,
+                                            "scenario": r.scenario}, {**values, "created_at": now()})
 
 
 _CHECK_COLUMNS = ("kind", "name", "task", "metric", "value", "lower", "upper", "threshold", "outcome",
@@ -569,13 +648,11 @@ def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: di
                   f" VALUES ({', '.join('?' * (len(_CHECK_COLUMNS) + 3))})")
     with transaction(con):
         for d in decisions:
-            con.execute(
-                "INSERT OR REPLACE INTO decisions (run_id, variant_uid, decision, reason, quality_recovery,"
-                " speedup, size_ratio, policy_hash, policy, decided_at, quality_lower_bound, flip_rate)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [run_id, d.variant_uid, d.decision, d.reason, d.quality_recovery, d.speedup,
-                 d.size_ratio, d.policy_hash, _json(policy), now(), d.quality_lower_bound, d.flip_rate],
-            )
+            _replace(con, "decisions", {"run_id": run_id, "variant_uid": d.variant_uid}, {
+                "decision": d.decision, "reason": d.reason, "quality_recovery": d.quality_recovery,
+                "speedup": d.speedup, "size_ratio": d.size_ratio, "policy_hash": d.policy_hash,
+                "policy": _json(policy), "decided_at": now(), "quality_lower_bound": d.quality_lower_bound,
+                "flip_rate": d.flip_rate})
             con.execute("DELETE FROM decision_checks WHERE run_id = ? AND variant_uid = ?", [run_id, d.variant_uid])
             for position, c in enumerate(d.checks):
                 row = asdict(c)
@@ -672,10 +749,9 @@ def run_outcome(path: str | Path, run_id: str) -> Iterator[None]:
 def record_suite_step(con, run_id: str, index: int, part: str, engine: str, build: str, scenarios: Sequence[str],
                       status: str, reason: str | None, started_s: float | None, seconds: float | None) -> None:
     with transaction(con):
-        con.execute(
-            "INSERT OR REPLACE INTO suite_steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [run_id, index, part, engine, build, list(scenarios), status, reason, started_s, seconds],
-        )
+        _replace(con, "suite_steps", {"run_id": run_id, "step_index": index}, {
+            "part": part, "engine": engine, "build": build, "scenarios": list(scenarios), "status": status,
+            "reason": reason, "started_s": started_s, "seconds": seconds})
 
 
 def export(con, folder: str | Path, fmt: str = "parquet", views: bool = True) -> list[Path]:
@@ -686,8 +762,8 @@ def export(con, folder: str | Path, fmt: str = "parquet", views: bool = True) ->
     out.mkdir(parents=True, exist_ok=True)
     kinds = ["BASE TABLE", "VIEW"] if views else ["BASE TABLE"]
     names = [n for (n,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' AND list_contains(?, table_type)"
-        " ORDER BY table_name", [kinds],
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database()"
+        " AND table_schema = 'main' AND list_contains(?, table_type) ORDER BY table_name", [kinds],
     ).fetchall()]
     options = "FORMAT parquet" if fmt == "parquet" else "FORMAT csv, HEADER true"
     files = []
@@ -706,14 +782,15 @@ def export_parquet(con, folder: str | Path, views: bool = False) -> list[Path]:
 
 
 # The schema's own bookkeeping: a loaded export is migrated by this quantgate, not by the one that wrote it.
-_BOOKKEEPING = ("schema_migrations", "schema_views")
+_BOOKKEEPING = ("schema_keys", "schema_migrations", "schema_views")
 
 
 def table_names(con) -> list[str]:
     """The warehouse's tables that hold data (not its views, nor the schema's bookkeeping)."""
     return [n for (n,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main' AND table_type = 'BASE TABLE'"
-        " AND NOT list_contains(?, table_name) ORDER BY table_name", [list(_BOOKKEEPING)],
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database()"
+        " AND table_schema = 'main' AND table_type = 'BASE TABLE' AND NOT list_contains(?, table_name)"
+        " ORDER BY table_name", [list(_BOOKKEEPING)],
     ).fetchall()]
 
 
@@ -738,7 +815,8 @@ def load_parquet(con, folder: str | Path) -> list[str]:
             if not path.exists():
                 continue
             ours = {c for (c,) in con.execute(
-                "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [name]).fetchall()}
+                "SELECT column_name FROM information_schema.columns WHERE table_catalog = current_database()"
+                " AND table_name = ?", [name]).fetchall()}
             theirs = [d[0] for d in con.execute("SELECT * FROM read_parquet(?) LIMIT 0", [str(path)]).description]
             unknown = sorted(set(theirs) - ours)
             if unknown:
@@ -770,10 +848,8 @@ def paired_samples(con, run_id: str, metrics: Sequence[tuple[str, str]] = ()) ->
 def record_inputs(con, run_id: str, model_id: str, inputs_hash: str, inputs: dict[str, Any]) -> None:
     """What a run evaluated, hashed: the nightly compares it with the model's inputs now."""
     with transaction(con):
-        con.execute(
-            "INSERT OR REPLACE INTO run_inputs VALUES (?, ?, ?, ?, ?)",
-            [run_id, model_id, inputs_hash, _json(inputs), now()],
-        )
+        _replace(con, "run_inputs", {"run_id": run_id}, {"model_id": model_id, "inputs_hash": inputs_hash,
+                                                         "inputs": _json(inputs), "recorded_at": now()})
 
 
 def last_success_inputs(con, model_id: str) -> dict[str, Any] | None:
@@ -805,11 +881,8 @@ def seen_releases(con, releases: Sequence[tuple[str, str]]) -> set[tuple[str, st
 def record_trigger(con, model_id: str, sha: str, source: str, flow_run_id: str | None) -> bool:
     """Remember that a release was triggered; False when it already was (nothing is written then)."""
     with transaction(con):
-        inserted = con.execute(
-            "INSERT INTO release_triggers VALUES (?, ?, ?, ?, ?) ON CONFLICT (model_id, sha) DO NOTHING RETURNING 1",
-            [model_id, sha, source, flow_run_id, now()],
-        ).fetchall()
-    return bool(inserted)
+        return _insert_new(con, "release_triggers", {"model_id": model_id, "sha": sha},
+                           {"source": source, "flow_run_id": flow_run_id, "triggered_at": now()})
 
 
 # --- cost and endpoints ------------------------------------------------------------------------
@@ -827,8 +900,7 @@ def record_endpoint(con, run_id: str, variant_uid: str, engine: str, scenario: s
                     identity: dict[str, Any]) -> None:
     """The server behind an endpoint run: its name and version where it exposes them, and what it said."""
     with transaction(con):
-        con.execute(
-            "INSERT OR REPLACE INTO serving_endpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [run_id, variant_uid, engine, scenario, base_url, model, identity.get("server"),
-             identity.get("server_version"), _json(identity), now()],
-        )
+        _replace(con, "serving_endpoints", {"run_id": run_id, "variant_uid": variant_uid, "engine": engine,
+                                            "scenario": scenario}, {
+            "base_url": base_url, "model": model, "server": identity.get("server"),
+            "server_version": identity.get("server_version"), "identity": _json(identity), "probed_at": now()})

@@ -62,7 +62,7 @@ def suite_file(tmp_path):
 
 
 def _run(tmp_path: Path, part: str) -> Path:
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     steps = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="small", suite=str(suite_file(tmp_path)),
                       parts=[part], deadline_s=1200, grace_s=300)
     assert steps and all(s["status"] == "ok" for s in steps), [(s["engine"], s["build"], s["reason"]) for s in steps]

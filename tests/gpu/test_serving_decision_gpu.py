@@ -47,7 +47,7 @@ def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_pa
     cat = load_catalog(DEFAULT_CATALOG)
     cat = cat.model_copy(update={"scenarios": {**cat.scenarios, "srv": scenario_from(SCENARIO)}})
     spec = cat.model("stories260k").model_copy(update={"scenarios": ("srv",)})
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
     with store.session(wh) as con:
         store.start_run(con, "r", "evaluate-model", "tiny", "catalog", "h", "host", {})
         store.record_variant(con, "r", base, "base")

@@ -36,7 +36,7 @@ def test_w4a16_sweep_picks_a_tuned_config_and_prices_it(tmp_path):
                         "timeout_s": 600}]}
     path = tmp_path / "suite.yaml"
     path.write_text(yaml.safe_dump(suite))
-    wh = tmp_path / "w.duckdb"
+    wh = tmp_path / "w.ducklake"
 
     (step,) = gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="small", suite=str(path),
                         deadline_s=600, grace_s=60)

@@ -1,0 +1,87 @@
+"""Warehouses of before the lake: one DuckDB file each, migrated by warehouse/legacy/*.sql. `import_duckdb` brings
+one over: a copy of it is brought to the last of those migrations, then every row whose key the lake does not
+hold yet is inserted, all in one transaction, so an import run twice (or cut short) adds nothing twice."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import duckdb
+
+from quantgate.warehouse.lake import WarehouseError, sql_literal
+
+LEGACY = Path(__file__).resolve().parent / "legacy"
+_ALIAS = "legacy_warehouse"
+
+
+def _migrations() -> list[tuple[int, str]]:
+    return [(int(f.name.split("_", 1)[0]), f.read_text()) for f in sorted(LEGACY.glob("*.sql"))]
+
+
+def migrate_file(path: Path) -> int:
+    """Bring a DuckDB-file warehouse to the last legacy migration; returns its version."""
+    con = duckdb.connect(str(path))
+    try:
+        try:
+            applied = {v for (v,) in con.execute("SELECT version FROM schema_migrations").fetchall()}
+        except duckdb.CatalogException:
+            raise WarehouseError(f"{path}: not a quantgate warehouse (no schema_migrations table)") from None
+        known = _migrations()
+        if applied and max(applied) > known[-1][0]:
+            raise WarehouseError(f"{path}: schema version {max(applied)} is not one of a DuckDB-file warehouse")
+        for version, sql in known:
+            if version in applied:
+                continue
+            con.execute("BEGIN TRANSACTION")
+            con.execute(sql)
+            con.execute("INSERT INTO schema_migrations VALUES (?, ?, 'imported', now())", [version, f"{version:04d}"])
+            con.execute("COMMIT")
+        return known[-1][0]
+    finally:
+        con.close()
+
+
+def import_duckdb(con: duckdb.DuckDBPyConnection, old: str | Path) -> dict[str, int]:
+    """Copy every row of a DuckDB-file warehouse that the lake lacks (by the keys in schema_keys); {table: rows
+    added}. `con` is a writable session of the lake (it holds the write lock)."""
+    from quantgate.warehouse import store
+
+    old = Path(old)
+    if not old.is_file():
+        raise WarehouseError(f"{old}: no such file")
+    with open(old, "rb") as f:
+        if f.read(12)[8:12] != b"DUCK":
+            raise WarehouseError(f"{old}: not a DuckDB database")
+    with tempfile.TemporaryDirectory(prefix="quantgate-import-") as tmp:
+        copy = Path(tmp) / "old.duckdb"
+        shutil.copyfile(old, copy)  # the original is only read: its own quantgate may still use it
+        try:
+            migrate_file(copy)
+        except duckdb.Error as e:
+            raise WarehouseError(f"{old}: cannot bring it to the last DuckDB-file schema ({str(e).splitlines()[0]})") from None
+        con.execute(f"ATTACH {sql_literal(str(copy))} AS {_ALIAS} (READ_ONLY)")
+        try:
+            keys = dict(con.execute("SELECT table_name, key_columns FROM schema_keys").fetchall())
+            theirs = {t for (t,) in con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name = ?", [_ALIAS]).fetchall()}
+            added = {}
+            with store.transaction(con):
+                for table in store.table_names(con):
+                    if table not in theirs:
+                        continue
+                    columns = [c for (c,) in con.execute(
+                        "SELECT column_name FROM duckdb_columns() WHERE database_name = ? AND table_name = ?"
+                        " ORDER BY column_index", [_ALIAS, table]).fetchall()]
+                    listed = ", ".join(f'"{c}"' for c in columns)
+                    selected = ", ".join(f'o."{c}"' for c in columns)
+                    match = " AND ".join(f'l."{k}" IS NOT DISTINCT FROM o."{k}"' for k in keys[table])
+                    (n,) = con.execute(
+                        f"INSERT INTO {table} ({listed}) SELECT {selected}"
+                        f" FROM {_ALIAS}.main.{table} o WHERE NOT EXISTS (SELECT 1 FROM {table} l WHERE {match})"
+                    ).fetchone()
+                    added[table] = n
+        finally:
+            con.execute(f"DETACH {_ALIAS}")
+    return added
