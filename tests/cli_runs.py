@@ -44,6 +44,18 @@ def tables(path: str | Path) -> dict[str, list[tuple]]:
         con.close()
 
 
+def copy_warehouse(src: str | Path, dst: str | Path) -> None:
+    """A warehouse (file catalog) copied as it stands: its catalog through SQLite's backup (a writer of this
+    process may hold it open, with pages still in its WAL) and its data files."""
+    import shutil
+    import sqlite3
+
+    with sqlite3.connect(src) as source, sqlite3.connect(dst) as target:
+        source.backup(target)
+    if Path(f"{src}.files").exists():
+        shutil.copytree(f"{src}.files", f"{dst}.files")
+
+
 def checksums(contents: dict[str, list[tuple]]) -> dict[str, str]:
     return {t: hashlib.sha256(repr(rows).encode()).hexdigest() for t, rows in contents.items()}
 

@@ -23,7 +23,7 @@ import pytest
 
 from quantgate.flows import cli
 from quantgate.warehouse import store
-from tests.cli_runs import CLI, checksums, error_lines, run_cli, tables
+from tests.cli_runs import CLI, checksums, copy_warehouse, error_lines, run_cli, tables
 from tests.shared_data import SHARED, TINY_MODEL
 from tests.test_download import FakeHub, online, use_endpoint  # noqa: F401 - `online` is a fixture
 from tests.test_warehouse import seed_run
@@ -143,7 +143,7 @@ def _write(tmp: Path, name: str, text: str) -> Path:
 @pytest.mark.parametrize(("args", "expected", "makes_run"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_changes_nothing_else(args, expected, makes_run, seeded, tmp_path, capfd):
     wh = tmp_path / "w.ducklake"
-    shutil.copy(seeded, wh)
+    copy_warehouse(seeded, wh)
     before = tables(wh)
     code, out, err = quantgate(capfd, "run", *args(tmp_path, write_catalog(tmp_path)), "-w", str(wh))
     message = assert_one_line(code, out, err, expected)
@@ -177,7 +177,7 @@ def test_unknown_or_unreachable_hub_id(hub_status, expected, online, seeded, tmp
     server = FakeHub(hub_status, "RepoNotFound") if hub_status else None
     use_endpoint(online, server.url if server else f"http://127.0.0.1:{closed_port()}")
     wh = tmp_path / "w.ducklake"
-    shutil.copy(seeded, wh)
+    copy_warehouse(seeded, wh)
     before = tables(wh)
     try:
         code, out, err = quantgate(capfd, "run", "-c", str(write_catalog(tmp_path)), "org/tiny", "-w", str(wh))
@@ -194,15 +194,16 @@ def test_a_file_that_is_not_a_warehouse_is_named_and_left_alone(tmp_path, capfd)
     digest = hashlib.sha256(junk.read_bytes()).hexdigest()
     for args in (["run", "-c", str(write_catalog(tmp_path)), "tiny"], ["sql", "select 1"], ["report"]):
         code, out, err = quantgate(capfd, *args, "-w", str(junk))
-        assert_one_line(code, out, err, f"{junk}: not a DuckDB warehouse")
+        assert_one_line(code, out, err, f"{junk}: not a quantgate warehouse")
     assert hashlib.sha256(junk.read_bytes()).hexdigest() == digest
 
 
 def test_a_schema_newer_than_the_code_is_refused_and_left_alone(seeded, tmp_path, capfd):
     wh = tmp_path / "w.ducklake"
-    shutil.copy(seeded, wh)
-    with duckdb.connect(str(wh)) as con:
+    copy_warehouse(seeded, wh)
+    with store.session(wh) as con:
         con.execute("INSERT INTO schema_migrations VALUES (999, '0999_future.sql', 'x', now())")
+    store.close_all()
     before = tables(wh)
     for args in (["run", "-c", str(write_catalog(tmp_path)), "tiny"], ["sql", "select 1"]):
         code, out, err = quantgate(capfd, *args, "-w", str(wh))
@@ -217,13 +218,14 @@ def test_debug_shows_the_traceback(tmp_path, capfd):
 
 def test_sql_can_neither_write_the_warehouse_nor_touch_files(seeded, tmp_path, capfd):
     wh = tmp_path / "w.ducklake"
-    shutil.copy(seeded, wh)
+    copy_warehouse(seeded, wh)
     before = checksums(tables(wh))
     target = tmp_path / "leak.csv"
-    for query, expected in [("delete from runs", "read-only"),
-                            (f"copy (select * from runs) to '{target}'", "file system operations are disabled"),
+    for query, expected in [("delete from runs", "queries only (SELECT, EXPLAIN), not DELETE"),
+                            (f"copy (select * from runs) to '{target}'", "queries only (SELECT, EXPLAIN), not COPY"),
                             ("select * from read_csv('/etc/hostname')", "file system operations are disabled"),
-                            (f"attach '{tmp_path / 'other.ducklake'}' as o", "file system operations are disabled")]:
+                            (f"attach '{tmp_path / 'other.ducklake'}' as o", "not ATTACH"),
+                            ("select * from ducklake_expire_snapshots('quantgate', dry_run => false)", "read-only")]:
         code, out, err = quantgate(capfd, "sql", query, "-w", str(wh))
         assert code != 0 and "Traceback" not in out + err
         assert expected in err.lower() if expected == "read-only" else expected in err, err
@@ -231,41 +233,36 @@ def test_sql_can_neither_write_the_warehouse_nor_touch_files(seeded, tmp_path, c
     assert checksums(tables(wh)) == before
 
 
-def test_a_warehouse_locked_by_another_writer(seeded, tmp_path):
-    """Two processes: one holds the warehouse; `quantgate run` waits QUANTGATE_LOCK_WAIT_S and gives up in
-    one line; `quantgate sql` says it waits, and answers once the holder lets go."""
+def test_a_warehouse_held_by_another_writer(seeded, tmp_path):
+    """Two processes: one holds the warehouse's write lock mid-transaction; `quantgate run` waits
+    QUANTGATE_LOCK_WAIT_S and gives up in one line; `quantgate sql` answers at once, from the last commit."""
     wh = tmp_path / "w.ducklake"
-    shutil.copy(seeded, wh)
+    copy_warehouse(seeded, wh)
     before = checksums(tables(wh))
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import duckdb, sys
-        con = duckdb.connect({str(wh)!r})
-        print("locked", flush=True)
-        sys.stdin.readline()  # until told to let go
-        con.close()
+        import sys
+        from quantgate.warehouse import store
+        with store.session({str(wh)!r}) as con, store.transaction(con):
+            con.execute("UPDATE runs SET error = 'being written' WHERE run_id = 'r1'")
+            print("locked", flush=True)
+            sys.stdin.readline()  # until told to let go
+            con.execute("UPDATE runs SET error = NULL WHERE run_id = 'r1'")
         print("released", flush=True)
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    waiting = None
     try:
         assert holder.stdout.readline().strip() == "locked"
         refused = run_cli(["run", "-c", str(write_catalog(tmp_path)), "tiny", "-w", str(wh)],
                           env={"QUANTGATE_LOCK_WAIT_S": "1"}, timeout=120)
         assert refused.returncode == 1 and "Traceback" not in refused.stdout + refused.stderr
-        assert error_lines(refused.stderr) == [f"error: {wh}: locked by another writer for more than 1s"]
-        waiting = subprocess.Popen([*CLI, "sql", "select count(*) as n from runs", "-w", str(wh), "-f", "csv"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env={**os.environ, "QUANTGATE_LOCK_WAIT_S": "120"})
-        assert waiting.stdout.readline().strip().endswith("is locked by another writer; waiting up to 120s")
+        assert error_lines(refused.stderr) == [f"error: {wh}: another writer held the warehouse for more than 1s"]
+        read = run_cli(["sql", "select count(*) as n, count(error) as errors from runs", "-w", str(wh), "-f", "csv"],
+                       timeout=120)
         holder.stdin.write("go\n")
         holder.stdin.flush()
         assert holder.stdout.readline().strip() == "released"
-        out, err = waiting.communicate(timeout=120)
     finally:
         holder.kill()
         holder.wait()
-        if waiting is not None and waiting.poll() is None:
-            waiting.kill()
-            waiting.wait()
-    assert waiting.returncode == 0, err
-    assert out == "n\n1\n"
+    assert read.returncode == 0, read.stderr
+    assert read.stdout == "n,errors\n1,0\n"
     assert checksums(tables(wh)) == before

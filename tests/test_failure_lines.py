@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from quantgate.warehouse import store
-from tests.cli_runs import run_cli, run_log, tables
+from tests.cli_runs import copy_warehouse, run_cli, run_log, tables
 from tests.shared_data import TINY_MODEL
 from tests.test_bad_input import encoder_only, not_a_model, unchanged_but_the_failed_run, write_catalog
 from tests.test_download import FakeHub
@@ -95,7 +95,7 @@ def assert_one_failure(result: subprocess.CompletedProcess, expected: str) -> st
 @pytest.mark.parametrize(("args", "env", "expected", "makes_run"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_known_failure_is_one_line(args, env, expected, makes_run, seeded, tmp_path, prefect_api):
     wh = tmp_path / "w.ducklake"
-    shutil.copy(seeded, wh)
+    copy_warehouse(seeded, wh)
     before = tables(wh)
     result = run_cli(["run", *args(tmp_path, write_catalog(tmp_path)), "-w", str(wh), "--workdir", str(tmp_path / "work")],
                      prefect_api, {"HF_HOME": str(tmp_path / "hf"), **env})
@@ -120,7 +120,7 @@ def _kept_but_no_results(before: dict, after: dict, message: str) -> None:
 
 def test_a_gated_repo_without_a_token(seeded, tmp_path, prefect_api):
     wh = tmp_path / "w.ducklake"
-    shutil.copy(seeded, wh)
+    copy_warehouse(seeded, wh)
     before = tables(wh)
     hub = FakeHub(403, "GatedRepo")
     try:
@@ -138,19 +138,20 @@ def test_a_foreign_warehouse_file(tmp_path, prefect_api):
     junk.write_text("meeting notes, not a database\n" * 200)
     digest = hashlib.sha256(junk.read_bytes()).hexdigest()
     result = run_cli(["run", "-c", str(write_catalog(tmp_path)), "tiny", "-w", str(junk)], prefect_api)
-    assert_one_failure(result, f"{junk}: not a DuckDB warehouse")
+    assert_one_failure(result, f"{junk}: not a quantgate warehouse")
     assert hashlib.sha256(junk.read_bytes()).hexdigest() == digest
 
 
 def test_a_locked_warehouse(seeded, tmp_path, prefect_api):
     wh = tmp_path / "w.ducklake"
-    shutil.copy(seeded, wh)
+    copy_warehouse(seeded, wh)
     before = tables(wh)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import duckdb, sys
-        con = duckdb.connect({str(wh)!r})
-        print("locked", flush=True)
-        sys.stdin.readline()
+        import sys
+        from quantgate.warehouse import store
+        with store.session({str(wh)!r}) as con:
+            print("locked", flush=True)
+            sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -159,5 +160,5 @@ def test_a_locked_warehouse(seeded, tmp_path, prefect_api):
     finally:
         holder.kill()
         holder.wait()
-    assert_one_failure(result, f"{wh}: locked by another writer for more than 1s")
+    assert_one_failure(result, f"{wh}: another writer held the warehouse for more than 1s")
     unchanged_but_the_failed_run(before, tables(wh), None)

@@ -66,10 +66,9 @@ class Address:
         return POSTGRES_PREFIX + " ".join(fields)
 
     def attach_sql(self, read_only: bool) -> str:
-        # A PostgreSQL catalog keeps the data path it was created with; its first attach must name one.
-        options = [f"DATA_PATH {sql_literal(self.data_path)}"] if self.data_path else []
-        if self.kind == "sqlite":
-            options.append("OVERRIDE_DATA_PATH true")  # a copied or moved warehouse reads its own files
+        # A catalog keeps the data path it was created with. One given here is where this host sees the data
+        # files: beside a copied or moved catalog file, or where this host mounts a team's shared folder.
+        options = [f"DATA_PATH {sql_literal(self.data_path)}", "OVERRIDE_DATA_PATH true"] if self.data_path else []
         if read_only:
             options.append("READ_ONLY")
         attach = f"ATTACH {sql_literal('ducklake:' + self.catalog)} AS {ALIAS}"
