@@ -27,11 +27,9 @@ from quantgate.tasks.benchmark import benchmark_task, engine_sessions, run_scena
 from quantgate.tasks.records import SpeedResult, VariantArtifact
 from quantgate.tasks.speed.bench import bench_scenario, bench_task
 from quantgate.tasks.speed.client import ServingLoad
-from quantgate.tasks.speed.serving import measured_from_dict
 from quantgate.tasks.speed.sweep import serve_variant, serving_task
 from quantgate.warehouse import store
 
-GPU_RESULTS = "gpu-results"
 SERVING_LOGS = "serving-logs"
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # A speed row and, for a serving scenario, its loads with their per-request rows.
@@ -162,8 +160,9 @@ class Measurements:
 
     def __init__(self, spec: ModelSpec, cat: Catalog, root: Path, engines: Sequence[str] | None = None,
                  on_variant: Callable[[str, JobResult], None] | None = None, lanes: Sequence[str | None] = (None,),
-                 pool: launch.Jobs | None = None) -> None:
+                 pool: launch.Jobs | None = None, stored_as: tuple[str, str] | None = None) -> None:
         self.spec, self.root, self.engines, self.lanes = spec, root, engines, lanes
+        self.stored_as = stored_as  # (warehouse, run id) that a GPU step writes its rows to
         self.scenarios = [(name, cat.scenarios[name]) for name in spec.scenarios]
         self._on_variant, self._pool = on_variant, pool
         self._jobs: dict[str, list[SpeedJob]] = {}
@@ -188,17 +187,20 @@ class Measurements:
         """The jobs of `variants` (those not started), and every result of the started ones, by variant uid. A GPU
         run of `gpu_deployment` that fails or does not finish becomes a failed row saying so."""
         log = get_run_logger()
-        out_dir = self.root / GPU_RESULTS
         for v in variants:
             self._add(v)
         pending: dict[tuple[str, str, str], str] = {}
         if gpu_deployment:
+            if self.stored_as is None:
+                raise ValueError("GPU steps need the warehouse and run their rows go to")
+            warehouse, run_id = self.stored_as
             for v in variants:
                 for job in self._jobs[v.uid]:
                     for name, scenario in job.scenarios:
                         if is_gpu_work(job.engine, scenario):
                             params = {"model_path": v.path, "engine": job.engine, "scenario_name": name,
-                                      "scenario": scenario.model_dump(mode="json"), "out_dir": str(out_dir),
+                                      "scenario": scenario.model_dump(mode="json"), "warehouse": warehouse,
+                                      "run_id": run_id, "variant_uid": v.uid, "work_dir": str(self.root),
                                       "label": f"{self.spec.id}/{v.name}"}
                             pending[(v.uid, name, job.engine)] = submit(
                                 gpu_deployment, params, name=f"{job.engine} {name} on {self.spec.id}/{v.name}",
@@ -218,10 +220,8 @@ class Measurements:
         for v in variants:
             for job in self._jobs[v.uid]:
                 if job not in self._done:
-                    measured = [m for name, scenario in job.scenarios
-                                for m in _gpu_result(runs[pending[(v.uid, name, job.engine)]], out_dir, job.engine,
-                                                     name, scenario)]
-                    self._done[job] = JobResult(measured, sum(_starts([r]) for r, _ in measured), store.now())
+                    steps = [(name, scenario, runs[pending[(v.uid, name, job.engine)]]) for name, scenario in job.scenarios]
+                    self._done[job] = _stored_by_steps(self.stored_as, v.uid, job.engine, steps)
             self._finish_if_complete(v)
         return self._results
 
@@ -274,15 +274,27 @@ def _kept(declared: Sequence[str], engines: Sequence[str] | None) -> list[str]:
     return [e for e in declared if not engines or e in engines]
 
 
-def _gpu_result(run: Any, out_dir: Path, engine: str, name: str, scenario: ScenarioSpec) -> list[Measured]:
-    file = out_dir / f"{run.id}.json"
-    state = run.state
-    if state is not None and state.type.value == "COMPLETED" and file.is_file():
-        return [measured_from_dict(r) for r in json.loads(file.read_text())["runs"]]
-    if state is not None and state.type.value == "COMPLETED":
-        reason = f"GPU run {run.name} completed but left no result file {file} (is the work dir shared?)"
-    elif state is None or state.type.value not in FINAL:
-        reason = f"GPU run {run.name} did not finish in time (state {state.name if state else 'unknown'})"
-    else:
-        reason = f"GPU run {run.name} {state.type.value.lower()}: {(state.message or '').strip()[:200]}"
-    return [(SpeedResult(engine, name, "failed", reason, scenario.model_dump(mode="json")), [])]
+def _stored_by_steps(stored_as: tuple[str, str] | None, variant_uid: str, engine: str,
+                     steps: Sequence[tuple[str, ScenarioSpec, Any]]) -> JobResult:
+    """What GPU steps did for one job: their rows are in the warehouse already (written where they measured), so
+    only a step that failed, did not finish or stored nothing leaves a failed row here for the parent to store."""
+    assert stored_as is not None
+    warehouse, run_id = stored_as
+    failed: list[Measured] = []
+    starts = 0
+    with store.session(warehouse, read_only=True) as con:
+        for name, scenario, run in steps:
+            state = run.state
+            found = store.rows(con, "SELECT details FROM speed_results WHERE run_id = ? AND variant_uid = ?"
+                                    " AND engine = ? AND scenario = ?", [run_id, variant_uid, engine, name])
+            if state is not None and state.type.value == "COMPLETED" and found:
+                starts += sum(int(json.loads(r["details"] or "{}").get("engine_starts", 0)) for r in found)
+                continue
+            if state is not None and state.type.value == "COMPLETED":
+                reason = f"GPU run {run.name} completed but stored no speed row"
+            elif state is None or state.type.value not in FINAL:
+                reason = f"GPU run {run.name} did not finish in time (state {state.name if state else 'unknown'})"
+            else:
+                reason = f"GPU run {run.name} {state.type.value.lower()}: {(state.message or '').strip()[:200]}"
+            failed.append((SpeedResult(engine, name, "failed", reason, scenario.model_dump(mode="json")), []))
+    return JobResult(failed, starts, store.now())

@@ -411,13 +411,15 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
 class _SpeedStage:
     """The benchmark stage: each checkpoint's speed reused from an earlier run of its speed key (format, scenarios,
     libraries, device), measured by the first checkpoint of its key to be ready, or taken from the one of its key
-    that measures it; each checkpoint's rows stored with its mark as soon as they are in, by this process, the
-    one warehouse writer. With a `pool` (one GPU) measuring begins at `ready`, else at `finish`."""
+    that measures it; each checkpoint's rows stored with its mark as soon as they are in (a GPU step on the pool
+    stores its own rows, and the mark follows). With a `pool` (one GPU) measuring begins at `ready`, else at
+    `finish`."""
 
     def __init__(self, run: _Run, plan: SpeedPlan, spec: ModelSpec, cat: Catalog, root: Path,
                  engines: list[str] | None, remeasure: bool, lanes: list[str | None], pool: launch.Jobs | None) -> None:
         self.run, self.plan, self.remeasure, self.early = run, plan, remeasure, pool is not None
-        self.measurements = dispatch.Measurements(spec, cat, root, engines, self._store, lanes, pool)
+        self.measurements = dispatch.Measurements(spec, cat, root, engines, self._store, lanes, pool,
+                                                  stored_as=(run.wh, run.run_id))
         self.started: dict[str, VariantArtifact] = {}
         self.takers: dict[str, list[VariantArtifact]] = {}
         self.sources: dict[str, tuple[str, str] | None] = {}

@@ -1,16 +1,15 @@
 """gpu-step: one GPU benchmark (an engine on a scenario for one checkpoint, or a serving scenario's
 `vllm serve` runs), run on the GPU work pool.
 
-evaluate-model submits these with `run_deployment` when it is given a GPU deployment. The step never
-writes the warehouse: it leaves its result as `<out_dir>/<flow run id>.json` (and returns it), and
-the parent flow, the warehouse's one writer, stores it (speed rows, and a serving scenario's loads). Each step holds a slot of the global
-concurrency limit `gpu:<host>:<CUDA_VISIBLE_DEVICES>` (limit 1, created on first use), so two
+evaluate-model submits these with `run_deployment` when it is given a GPU deployment. The step writes its own
+rows (speed rows, and a serving scenario's loads and requests) into the warehouse under the parent's run, from
+the host that measured them; the parent marks its benchmark stage once every step is in. Each step holds a slot
+of the global concurrency limit `gpu:<host>:<CUDA_VISIBLE_DEVICES>` (limit 1, created on first use), so two
 benchmarks never share a GPU even when a worker starts two runs at once.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from pathlib import Path
@@ -21,8 +20,7 @@ from prefect.runtime import flow_run
 
 from quantgate.catalog.schema import scenario_from
 from quantgate.flows.dispatch import SERVING_LOGS, measure
-from quantgate.tasks.speed.serving import measured_to_dict
-from quantgate.tasks.files import write_atomic
+from quantgate.warehouse import store
 
 SLOT_ENV = "QUANTGATE_GPU_SLOT"
 
@@ -54,22 +52,22 @@ def _name() -> str:
 
 
 @flow(name="gpu-step", flow_run_name=_name)
-def gpu_step(model_path: str, engine: str, scenario_name: str, scenario: dict[str, Any], out_dir: str,
-             label: str = "") -> dict[str, Any]:
-    """Measure `engine` on `scenario` for the checkpoint at `model_path`; the result goes to out_dir."""
+def gpu_step(model_path: str, engine: str, scenario_name: str, scenario: dict[str, Any], warehouse: str,
+             run_id: str, variant_uid: str, work_dir: str, label: str = "") -> list[dict[str, Any]]:
+    """Measure `engine` on `scenario` for the checkpoint at `model_path` and store the rows under run `run_id`;
+    returns each row's scenario, status and reason."""
     from prefect.concurrency.sync import concurrency
 
     spec = scenario_from(scenario)
     slot = slot_name()
     ensure_limit(slot)
     get_run_logger().info("waiting for GPU slot %s", slot)
-    out = Path(out_dir)
     with concurrency(slot, occupy=1, strict=True):
-        measured = measure(model_path, engine, [(scenario_name, spec)], out.parent / SERVING_LOGS / str(flow_run.id),
+        measured = measure(model_path, engine, [(scenario_name, spec)], Path(work_dir) / SERVING_LOGS / str(flow_run.id),
                            label or Path(model_path).name).measured
-    payload = {"runs": [measured_to_dict(result, loads) for result, loads in measured]}
-    write_atomic(out / f"{flow_run.id}.json", json.dumps(payload))
+    with store.session(warehouse) as con:
+        store.record_measured(con, run_id, variant_uid, measured)
     for result, _ in measured:
         get_run_logger().info("%s %s: %s%s", engine, result.scenario, result.status,
                               f" ({result.reason})" if result.reason else "")
-    return payload
+    return [{"scenario": r.scenario, "status": r.status, "reason": r.reason} for r, _ in measured]

@@ -133,7 +133,7 @@ def wait_final(c, ids: list, timeout_s: float) -> dict:
 
 def test_deploy_creates_every_deployment_and_the_nightly_schedule(deployed):
     for name in ("evaluate-model/evaluate-model", "nightly/nightly", "watch-releases/watch-releases",
-                 "gpu-step/gpu-step", "gpu-suite/gpu-suite"):
+                 "gpu-step/gpu-step", "gpu-suite/gpu-suite", "warehouse-maintenance/warehouse-maintenance"):
         assert name in deployed["deploy_out"]
     with client(deployed["url"]) as c:
         pools = {p.name: p.type for p in c.read_work_pools()}
@@ -144,6 +144,8 @@ def test_deploy_creates_every_deployment_and_the_nightly_schedule(deployed):
         [schedule] = nightly.schedules
         assert schedule.active and schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC"
         assert c.read_deployment_by_name("gpu-step/gpu-step").work_pool_name == "quantgate-gpu"
+        [upkeep] = c.read_deployment_by_name("warehouse-maintenance/warehouse-maintenance").schedules
+        assert upkeep.active and upkeep.schedule.cron == "0 6 * * *"
         evaluate = c.read_deployment_by_name("evaluate-model/evaluate-model")
         assert evaluate.work_pool_name == "quantgate-cpu"
         assert evaluate.parameters["gpu_deployment"] == "gpu-step/gpu-step"

@@ -166,7 +166,7 @@ def session(path: str | Path | None = None, read_only: bool = False,
                 opened.lock.release()
 
 
-def connect(path: str | Path | None = None, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+def connect(path: str | Path | None = None, read_only: bool = True) -> duckdb.DuckDBPyConnection:
     """A connection of its own to the warehouse (a script, a notebook): readers only; writers use `session`."""
     if not read_only:
         raise WarehouseError("write through store.session, which holds the warehouse's write lock")
