@@ -40,7 +40,8 @@ def test_a_duckdb_cli_session_held_open_during_a_run_does_not_stop_it(tmp_path, 
         reader.stdin.write("SELECT 'held', count(*) FROM runs;\nCOMMIT;\n"
                            "SELECT 'after', count(*) FROM decisions WHERE decision IN ('accept', 'reject', 'inconclusive');\n")
         reader.stdin.close()
-        out, err = reader.communicate(timeout=120)
+        out, err = reader.stdout.read(), reader.stderr.read()
+        reader.wait(timeout=120)
     finally:
         if reader.poll() is None:
             reader.kill()
