@@ -97,7 +97,8 @@ def test_cli_benchmarks_a_real_server_into_the_warehouse(transformers_server, tm
         (ep,) = store.rows(con, "SELECT * FROM serving_endpoints")
         cost = store.rows(con, "SELECT * FROM variant_cost")
         prices = store.rows(con, "SELECT device, usd_per_hour FROM run_prices ORDER BY device")
-        tables = [n for (n,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()]
+        tables = [n for (n,) in con.execute("SELECT table_name FROM information_schema.tables"
+                                           " WHERE table_catalog = current_database()").fetchall()]
         dump = "".join(str(store.rows(con, f'SELECT * FROM "{t}"')) for t in tables)
     assert speed["engine"] == "endpoint" and speed["status"] == "ok", speed["reason"]
     assert set(loads) == {"c=1", "c=2", "rate=4"}

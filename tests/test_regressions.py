@@ -222,7 +222,8 @@ def test_a_verdict_that_steps_down_is_a_flagged_regression(con):
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])
 def test_export_round_trips_every_table_and_view(con, tmp_path, fmt):
     files = store.export(con, tmp_path / fmt, fmt)
-    names = {n for (n,) in con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'").fetchall()}
+    names = {n for (n,) in con.execute("SELECT table_name FROM information_schema.tables WHERE table_catalog ="
+                                       " current_database() AND table_schema = 'main'").fetchall()}
     assert {f.stem for f in files} == names and {"regressions", "variant_flips", "quality_samples", "decisions"} <= names
     reader = "read_parquet" if fmt == "parquet" else "read_csv"
     for f in files:
