@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--opens", type=int, default=50)
     opens = parser.parse_args().opens
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "w.duckdb"
+        path = Path(tmp) / "w.ducklake"
         with store.session(path):
             pass  # migrations and views, once
         kept = ms_per_open(path, opens)

@@ -9,7 +9,7 @@ are recorded as skipped ("deadline"). A step that starts is given at most what i
 deadline_s + grace_s. With --gpus 0,1 each GPU takes the next step nobody has started, in a process that
 sees only that GPU, and tensor-parallel steps run after them on all of them.
 
-    python -m quantgate.flows.gpu_suite --warehouse gpu.duckdb --deadline-s 330 [--gpus 0,1]
+    python -m quantgate.flows.gpu_suite --warehouse gpu.ducklake --deadline-s 330 [--gpus 0,1]
 """
 
 from __future__ import annotations
@@ -418,7 +418,7 @@ def _versions() -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m quantgate.flows.gpu_suite", description=__doc__.splitlines()[0])
-    parser.add_argument("--warehouse", help="DuckDB file (default $QUANTGATE_WAREHOUSE or quantgate.duckdb)")
+    parser.add_argument("--warehouse", help="the warehouse (default $QUANTGATE_WAREHOUSE or quantgate.ducklake)")
     parser.add_argument("--workdir", help="where the dummy checkpoints and logs go (default .quantgate)")
     parser.add_argument("--shape", default="qwen2.5-7b-instruct")
     parser.add_argument("--suite", help="GPU suite YAML (default catalog/gpu.yaml)")

@@ -228,3 +228,18 @@ def test_writing_sessions_of_one_process_take_turns(tmp_path):
     assert errors == []
     with store.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM run_prices").fetchone()[0] == 20
+
+
+def test_maintenance_moves_inlined_rows_to_parquet_and_keeps_every_answer(tmp_path):
+    path = tmp_path / "w.ducklake"
+    with store.session(path) as con:
+        seed_run(con, "r1")
+        before = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone() for t in store.table_names(con)}
+        card = store.rows(con, "SELECT * FROM variant_scorecard")
+    steps = [step for step, _ in store.maintain(path, keep_days=0)]
+    assert steps == ["ducklake_flush_inlined_data", "ducklake_merge_adjacent_files", "ducklake_expire_snapshots",
+                     "ducklake_cleanup_old_files"]
+    assert list((tmp_path / "w.ducklake.files" / "main" / "runs").glob("*.parquet"))  # out of the catalog
+    with store.session(path, read_only=True) as con:
+        assert {t: con.execute(f"SELECT count(*) FROM {t}").fetchone() for t in store.table_names(con)} == before
+        assert store.rows(con, "SELECT * FROM variant_scorecard") == card

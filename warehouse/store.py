@@ -79,15 +79,23 @@ def _lock_wait_s() -> float:
 
 
 class _Lake:
-    """This process's database with one warehouse attached, shared by its sessions (each gets a cursor of its
-    own), and the warehouse's write lock, which the outermost writable session of the process holds."""
+    """This process's database with one warehouse attached, shared by its sessions (each borrows a cursor, a
+    connection of its own, set up once and kept for the next session), and the warehouse's write lock, which
+    the outermost writable session of the process holds."""
 
-    def cursor(self) -> duckdb.DuckDBPyConnection:
+    def borrow(self) -> duckdb.DuckDBPyConnection:
+        with _OPENING:
+            if self.idle:
+                return self.idle.pop()
         con = self.db.cursor()
         con.execute(f"USE {lake.ALIAS}")  # a cursor starts in DuckDB's own in-memory catalog
         if not self.sandbox:
             con.execute(f"SET disabled_optimizers = '{lake.COSTLY_OPTIMIZERS}'")
         return con
+
+    def give_back(self, con: duckdb.DuckDBPyConnection) -> None:
+        with _OPENING:
+            self.idle.append(con)
 
     def __init__(self, where: lake.Address, read_only: bool, sandbox: bool) -> None:
         self.where, self.read_only = where, read_only
@@ -95,14 +103,15 @@ class _Lake:
         self.sandbox = sandbox
         if sandbox:
             self.db.execute(f"SET disabled_optimizers = '{lake.COSTLY_OPTIMIZERS}'")
-            # After the attach: the lake's own files stay readable, nothing else is, and nothing can be set back.
-            readable = [where.data_path] + ([str(where.sqlite_file.parent)] if where.sqlite_file else [])
-            self.db.execute("SET allowed_directories = ?", [[d for d in readable if d]])
+            # After the attach: the lake's data files stay readable, nothing else is (its SQLite catalog is read
+            # through SQLite's own file layer), and nothing can be set back.
+            self.db.execute("SET allowed_directories = ?", [[where.data_path] if where.data_path else []])
             self.db.execute("SET enable_external_access = false")
             self.db.execute("SET lock_configuration = true")
         self.lock = None if read_only else lake.write_lock(where)
         self.depth = 0
-        self.checked = False
+        self.checked = self.migrated = False  # schema version read; migrations and views applied
+        self.idle: list[duckdb.DuckDBPyConnection] = []
 
 
 _LAKES: dict[tuple[str, bool, bool, int], _Lake] = {}
@@ -114,7 +123,10 @@ _WRITING = threading.RLock()
 
 def _lake(where: lake.Address, read_only: bool, sandbox: bool) -> _Lake:
     key = (where.catalog, read_only, sandbox, os.getpid())  # a forked child opens its own
+    writable = (where.catalog, False, False, os.getpid())
     with _OPENING:
+        if read_only and not sandbox and writable in _LAKES:
+            return _LAKES[writable]  # the process writes it too: its reads go through the same attach
         if key not in _LAKES:
             _LAKES[key] = _Lake(where, read_only, sandbox)
         return _LAKES[key]
@@ -138,14 +150,14 @@ def session(path: str | Path | None = None, read_only: bool = False,
     where = address(path)
     opened = _lake(where, read_only, sandbox and read_only)
     if read_only:
-        con = opened.cursor()
+        con = opened.borrow()
         try:
             if not opened.checked:
                 _check_version(con, where.label)
                 opened.checked = True
             yield con
         finally:
-            con.close()
+            opened.give_back(con)
         return
     with _WRITING:
         if opened.depth == 0:
@@ -153,14 +165,14 @@ def session(path: str | Path | None = None, read_only: bool = False,
             if not opened.lock.acquire(wait_s):
                 raise WarehouseError(f"{where.label}: another writer held the warehouse for more than {wait_s:.0f}s")
         opened.depth += 1
-        con = opened.cursor()
+        con = opened.borrow()
         try:
-            if not opened.checked:
+            if not opened.migrated:
                 migrate(con, where.label)
-                opened.checked = True
+                opened.migrated = opened.checked = True
             yield con
         finally:
-            con.close()
+            opened.give_back(con)
             opened.depth -= 1
             if opened.depth == 0:
                 opened.lock.release()

@@ -20,7 +20,7 @@ mkdir -p "$OUT" "$RESULTS"
 LOG="$OUT/log.txt"
 . "$REPO/benchmarks/gpu/env.sh"
 
-WH="$RESULTS/real.duckdb"
+WH="$RESULTS/real.ducklake"
 QG=(python3 -m quantgate.flows.cli)
 MODEL="${1:-smollm2-135m}"
 shift || true

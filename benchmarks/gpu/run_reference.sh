@@ -26,7 +26,7 @@ if [ ! -d "${QUANTGATE_EVAL_DATA:-}" ]; then
 fi
 export QUANTGATE_WHEELHOUSE="${QUANTGATE_WHEELHOUSE:-/root/qg-wheelhouse}"
 
-WH="$RESULTS/reference.duckdb"
+WH="$RESULTS/reference.ducklake"
 QG=(python3 -m quantgate.flows.cli)
 MODEL="${QG_MODEL:-qwen2.5-coder-1.5b-instruct}"
 {

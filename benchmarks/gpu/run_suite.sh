@@ -30,7 +30,7 @@ LOG="$OUT/log.txt"
     python3 -c "import sys, torch, vllm, transformers, prefect, duckdb; print(sys.version.split()[0], 'torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'prefect', prefect.__version__, 'duckdb', duckdb.__version__)" 2>&1
 } | tee -a "$LOG"
 
-WH="$RESULTS/gpu.duckdb"
+WH="$RESULTS/gpu.ducklake"
 # SIGINT first (the flow stops its servers in `finally`), SIGKILL 20 s later as a last resort. The flow's clock
 # starts once Prefect's temporary server is up (~40 s on a fresh machine), so the margin past deadline + grace
 # covers that start and a step ending at its own time limit (seen cut off with 45 s).

@@ -1,6 +1,6 @@
 """Markdown summary of a gpu-suite run, from the warehouse (default: its latest gpu-suite run).
 
-    python benchmarks/gpu/summary.py gpu.duckdb [--run-id ID] [--parquet DIR] > summary.md
+    python benchmarks/gpu/summary.py gpu.ducklake [--run-id ID] [--parquet DIR] > summary.md
 
 With --parquet, every table is also written to DIR as Parquet (views are derived: `benchmarks/summarize.py DIR`
 recomputes them and summarizes every run).
