@@ -10,7 +10,7 @@ from pathlib import Path
 
 import duckdb
 
-from quantgate.warehouse.lake import WarehouseError, sql_literal
+from quantgate.warehouse.lake import WarehouseError
 
 LEGACY = Path(__file__).resolve().parent / "legacy"
 _ALIAS = "legacy_warehouse"
@@ -61,27 +61,27 @@ def import_duckdb(con: duckdb.DuckDBPyConnection, old: str | Path) -> dict[str, 
             migrate_file(copy)
         except duckdb.Error as e:
             raise WarehouseError(f"{old}: cannot bring it to the last DuckDB-file schema ({str(e).splitlines()[0]})") from None
-        con.execute(f"ATTACH {sql_literal(str(copy))} AS {_ALIAS} (READ_ONLY)")
+        old_con = duckdb.connect(str(copy), read_only=True)
         try:
             keys = dict(con.execute("SELECT table_name, key_columns FROM schema_keys").fetchall())
-            theirs = {t for (t,) in con.execute(
-                "SELECT table_name FROM duckdb_tables() WHERE database_name = ?", [_ALIAS]).fetchall()}
+            theirs = {t for (t,) in old_con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
             added = {}
             with store.transaction(con):
                 for table in store.table_names(con):
                     if table not in theirs:
                         continue
-                    columns = [c for (c,) in con.execute(
-                        "SELECT column_name FROM duckdb_columns() WHERE database_name = ? AND table_name = ?"
-                        " ORDER BY column_index", [_ALIAS, table]).fetchall()]
-                    listed = ", ".join(f'"{c}"' for c in columns)
-                    selected = ", ".join(f'o."{c}"' for c in columns)
+                    rows = old_con.execute(f'SELECT * FROM "{table}"').to_arrow_table()
+                    listed = ", ".join(f'"{c}"' for c in rows.column_names)
+                    selected = ", ".join(f'o."{c}"' for c in rows.column_names)
                     match = " AND ".join(f'l."{k}" IS NOT DISTINCT FROM o."{k}"' for k in keys[table])
-                    (n,) = con.execute(
-                        f"INSERT INTO {table} ({listed}) SELECT {selected}"
-                        f" FROM {_ALIAS}.main.{table} o WHERE NOT EXISTS (SELECT 1 FROM {table} l WHERE {match})"
-                    ).fetchone()
+                    con.register(_ALIAS, rows)
+                    try:
+                        (n,) = con.execute(
+                            f"INSERT INTO {table} ({listed}) SELECT {selected} FROM {_ALIAS} o"
+                            f" WHERE NOT EXISTS (SELECT 1 FROM {table} l WHERE {match})").fetchone()
+                    finally:
+                        con.unregister(_ALIAS)
                     added[table] = n
         finally:
-            con.execute(f"DETACH {_ALIAS}")
+            old_con.close()
     return added
