@@ -225,37 +225,32 @@ def test_finite_weights_with_nan_outputs_fail_the_variant(tiny_model, tmp_path):
     shutil.rmtree(work)
 
 
-def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(tmp_path, monkeypatch):
-    from tests.cli_runs import checksums, tables
-    from tests.test_warehouse import seed_run
+def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(tmp_path):
+    """A DuckDB-file warehouse as migration 0004 left it (no run stages, no attempts), its run killed mid-way,
+    imported into the lake: every row kept, the newer columns at their defaults, and the run never resumed."""
+    import duckdb
 
-    old = tmp_path / "migrations"
-    old.mkdir()
-    every = sorted(store.MIGRATIONS.glob("*.sql"))
-    for f in every[:every.index(store.MIGRATIONS / "0005_run_stages.sql")]:
-        shutil.copy(f, old)
+    from quantgate.warehouse import legacy
+    from tests.test_warehouse import seed_run
+    from tests.test_warehouse_import import legacy_warehouse
+
+    with store.session(tmp_path / "seed.ducklake") as con:
+        seed_run(con, "r1")
+        store.export_parquet(con, tmp_path / "pq")
+    old = tmp_path / "old.duckdb"
+    legacy_warehouse(old, tmp_path / "pq", upto=4, views=False)
+    with duckdb.connect(str(old)) as con:
+        con.execute("UPDATE runs SET status = 'running', finished_at = NULL")  # as if killed, before 0005
+        before = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("runs", "variants",
+                  "run_variants", "quality_results", "quality_samples", "speed_results")}
     path = tmp_path / "w.ducklake"
-    with monkeypatch.context() as m:
-        m.setattr(store, "MIGRATIONS", old)
-        m.setattr(store, "apply_views", lambda con, force=False: None)  # today's views need today's tables
-        with store.session(path) as con:
-            # Today's writer fills the column migration 0007 adds; it goes again once the rows are in, so the
-            # file is as an older quantgate left it.
-            con.execute("ALTER TABLE variants ADD COLUMN skipped BOOLEAN DEFAULT false")
-            seed_run(con, "r1")
-            con.execute("ALTER TABLE variants DROP COLUMN skipped")
-            con.execute("UPDATE runs SET status = 'running', finished_at = NULL")  # as if killed, before 0005
-    before = tables(path)
-    with store.session(path) as con:  # migrates to the newest
-        assert con.execute("SELECT max(version) FROM schema_migrations").fetchone()[0] == int(every[-1].name[:4])
-    after = tables(path)
-    assert after["runs"] == [r + ("None",) for r in before["runs"]]  # resume_key: NULL
-    assert after["variants"] == [r + ("False",) for r in before["variants"]]  # skipped (0007): false
-    # speed key and source run (0009), source checkpoint (0011)
-    assert after["run_variants"] == [r + ("None", "None", "None") for r in before["run_variants"]]
-    kept = lambda t: {k: v for k, v in t.items()  # noqa: E731
-                      if k not in ("runs", "variants", "run_variants", "schema_migrations")}
-    assert checksums({k: v for k, v in kept(after).items() if k in before}) == checksums(kept(before))
+    with store.session(path) as con:
+        legacy.import_duckdb(con, old)
+        assert {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in before} == before
+        assert con.execute("SELECT resume_key FROM runs").fetchall() == [(None,)]
+        assert {r for (r,) in con.execute("SELECT skipped FROM variants").fetchall()} == {False}  # 0007's default
+        assert con.execute("SELECT count(*) FROM run_variants WHERE speed_key IS NOT NULL OR speed_run_id IS NOT NULL"
+                           " OR speed_variant_uid IS NOT NULL").fetchone() == (0,)
     with store.session(path) as con:
         # Its unfinished run has no attempts to tell whether it is still at work: a rerun starts afresh.
         assert _begin(con, "a1") == ("a1", False)

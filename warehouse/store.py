@@ -143,11 +143,11 @@ def close_all() -> None:
 @contextmanager
 def session(path: str | Path | None = None, read_only: bool = False,
             sandbox: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A connection to the warehouse for a few statements, all in one transaction: they read one snapshot, and a
-    writable session's writes commit together when it ends (or vanish, when it raises). Read-only sessions never
-    wait. A writable one holds the warehouse's write lock until it ends (waiting for it up to
-    $QUANTGATE_LOCK_WAIT_S, 60 s by default), so keep it to the writes of one step; the first in a process
-    migrates the warehouse. `sandbox` (read-only only) also shuts SQL off from every file but the warehouse's."""
+    """A connection to the warehouse for a few statements. A read-only one reads one snapshot throughout and never
+    waits. A writable one holds the warehouse's write lock until it ends (waiting for it up to
+    $QUANTGATE_LOCK_WAIT_S, 60 s by default), so keep it to the writes of one step, grouped in `transaction`s;
+    the first in a process migrates the warehouse. `sandbox` (read-only only) also shuts SQL off from every file
+    but the warehouse's."""
     where = address(path)
     opened = _lake(where, read_only, sandbox and read_only)
     if read_only:
@@ -174,8 +174,7 @@ def session(path: str | Path | None = None, read_only: bool = False,
             if not opened.migrated:
                 migrate(con, where.label)
                 opened.migrated = opened.checked = True
-            with transaction(con):
-                yield con
+            yield con
         finally:
             opened.give_back(con)
             opened.depth -= 1
