@@ -108,7 +108,7 @@ class _Run:
             commit = StageCommit(con, detail)
             yield commit
             store.mark_stage(con, self.run_id, stage, item, commit.detail, self.attempt_id, started or store.now(),
-                             engine_starts)
+                             engine_starts, marked_before=(stage, item) in self.done)
             faults.point(f"write:{stage}")
         self.done[(stage, item)] = commit.detail
         progress.end(stage, item)

@@ -302,7 +302,9 @@ def _replace(con, table: str, key: dict[str, Any], values: dict[str, Any]) -> No
     makes the delete and insert one step)."""
     where = " AND ".join(f'"{c}" = ?' for c in key)
     with transaction(con):
-        con.execute(f"DELETE FROM {table} WHERE {where}", list(key.values()))
+        # A DuckLake DELETE costs about three lookups of the key; most keys written are new (a run's own rows).
+        if con.execute(f"SELECT 1 FROM {table} WHERE {where} LIMIT 1", list(key.values())).fetchone():
+            con.execute(f"DELETE FROM {table} WHERE {where}", list(key.values()))
         _insert(con, table, {**key, **values})
 
 
@@ -425,12 +427,17 @@ def _attempt(con, attempt_id: str, run_id: str, host: str) -> None:
 
 
 def mark_stage(con, run_id: str, stage: str, item: str, detail: str | None, attempt_id: str,
-               started_at: datetime | None = None, engine_starts: int = 0) -> None:
+               started_at: datetime | None = None, engine_starts: int = 0, marked_before: bool = True) -> None:
     """Mark a stage of a run complete, with when it began and the engine starts it made; call it inside the
-    transaction that writes the stage's rows."""
-    _replace(con, "run_stages", {"run_id": run_id, "stage": stage, "item": item},
-             {"detail": detail, "attempt_id": attempt_id, "completed_at": now(), "started_at": started_at,
-              "engine_starts": engine_starts})
+    transaction that writes the stage's rows. `marked_before=False`: the caller knows the run has no mark for
+    this item yet (it read the run's marks when it began and is the run's one attempt), sparing the lookup."""
+    key = {"run_id": run_id, "stage": stage, "item": item}
+    values = {"detail": detail, "attempt_id": attempt_id, "completed_at": now(), "started_at": started_at,
+              "engine_starts": engine_starts}
+    if marked_before:
+        _replace(con, "run_stages", key, values)
+    else:
+        _insert(con, "run_stages", {**key, **values})
 
 
 def scorecard(con, run_id: str) -> list[dict[str, Any]]:
@@ -680,7 +687,9 @@ def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: di
                 "speedup": d.speedup, "size_ratio": d.size_ratio, "policy_hash": d.policy_hash,
                 "policy": _json(policy), "decided_at": now(), "quality_lower_bound": d.quality_lower_bound,
                 "flip_rate": d.flip_rate})
-            con.execute("DELETE FROM decision_checks WHERE run_id = ? AND variant_uid = ?", [run_id, d.variant_uid])
+            if con.execute("SELECT 1 FROM decision_checks WHERE run_id = ? AND variant_uid = ? LIMIT 1",
+                           [run_id, d.variant_uid]).fetchone():
+                con.execute("DELETE FROM decision_checks WHERE run_id = ? AND variant_uid = ?", [run_id, d.variant_uid])
             for position, c in enumerate(d.checks):
                 row = asdict(c)
                 con.execute(checks_sql, [run_id, d.variant_uid, position,
