@@ -165,7 +165,7 @@ def test_cli_sql_is_read_only_and_errors_are_one_line(two_runs):
     assert ok.returncode == 0 and "rtn-w2a16-g32,reject" in ok.stdout
     assert sorted(ok.stdout.splitlines()[1:]) == sorted(f"{r['variant']},{r['decision']}" for r in first)
     write = subprocess.run([*cli, "sql", "delete from runs", "-w", wh], capture_output=True, text=True)
-    assert write.returncode != 0 and "read-only" in write.stderr.lower()
+    assert write.returncode != 0 and "queries only (SELECT, EXPLAIN), not DELETE" in write.stderr
     with store.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 2
     unknown = subprocess.run([*cli, "run", "no-such-model", "-w", wh], capture_output=True, text=True)

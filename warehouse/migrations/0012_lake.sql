@@ -1,7 +1,8 @@
--- The warehouse as a DuckLake: every table of the DuckDB-file schema (warehouse/legacy, migrations 0001-0011)
--- as it stood at its last migration, without PRIMARY KEY and CHECK constraints, which DuckLake does not enforce
--- (it enforces NOT NULL only). Each table's key is in schema_keys, and the writers in warehouse/store.py keep
--- it: a writer holds the warehouse's write lock (warehouse/lake.py) from its first read to its commit, so
+-- The warehouse as a DuckLake (migration 12, after the DuckDB-file schema's 0001-0011 in warehouse/legacy, so
+-- that a Parquet export of any earlier schema still loads as an older one): every table of that schema as 0011
+-- left it, without PRIMARY KEY and CHECK constraints, which DuckLake does not enforce (it enforces NOT NULL only).
+-- Each table's key is in schema_keys, and the writers in warehouse/store.py keep it: a writer holds the
+-- warehouse's write lock (warehouse/lake.py) from its first read to its commit, so
 -- "replace the row of this key" and "insert unless this key is there" are atomic across processes and hosts.
 -- The enumerations the CHECKs held are kept by the records that write them (quantgate/tasks/records.py).
 
