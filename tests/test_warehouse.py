@@ -140,7 +140,7 @@ def test_schema_newer_than_code_and_foreign_files(tmp_path):
     with pytest.raises(store.WarehouseError, match="schema version 999 is newer"), store.session(path):
         pass
     with pytest.raises(store.WarehouseError, match="schema version 999 is newer"):
-        store.connect(path, read_only=True)
+        store.connect(path)
     junk = tmp_path / "junk.ducklake"
     junk.write_text("this is not a database" * 100)
     with pytest.raises(store.WarehouseError, match="not a quantgate warehouse"), store.session(junk):
@@ -148,7 +148,7 @@ def test_schema_newer_than_code_and_foreign_files(tmp_path):
     old = tmp_path / "quantgate.duckdb"  # a warehouse of before the lake: how to bring it over
     duckdb.connect(str(old)).close()
     with pytest.raises(store.WarehouseError, match="quantgate warehouse import"):
-        store.connect(old, read_only=True)
+        store.connect(old)
 
 
 def test_a_reader_never_waits_and_a_second_writer_waits_then_gives_a_clear_error(tmp_path, monkeypatch):

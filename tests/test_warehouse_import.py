@@ -21,11 +21,10 @@ def legacy_warehouse(path: Path, tables: Path, upto: int = 11, views: bool = Tru
     con = duckdb.connect(str(path))
     con.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name VARCHAR NOT NULL,"
                 " checksum VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)")
-    for f in sorted(legacy.LEGACY.glob("*.sql")):
-        version = int(f.name.split("_", 1)[0])
+    for version, name, sql in store.read_migrations(legacy.LEGACY):
         if version <= upto:
-            con.execute(f.read_text())
-            con.execute("INSERT INTO schema_migrations VALUES (?, ?, 'x', now())", [version, f.name])
+            con.execute(sql)
+            con.execute("INSERT INTO schema_migrations VALUES (?, ?, 'x', now())", [version, name])
     for file in sorted(tables.glob("*.parquet")):
         name = file.stem
         if name.startswith("schema_") or not con.execute(

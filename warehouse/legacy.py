@@ -16,29 +16,26 @@ LEGACY = Path(__file__).resolve().parent / "legacy"
 _ALIAS = "legacy_warehouse"
 
 
-def _migrations() -> list[tuple[int, str]]:
-    return [(int(f.name.split("_", 1)[0]), f.read_text()) for f in sorted(LEGACY.glob("*.sql"))]
+def migrate_file(path: Path) -> None:
+    """Bring a DuckDB-file warehouse to the last legacy migration."""
+    from quantgate.warehouse import store
 
-
-def migrate_file(path: Path) -> int:
-    """Bring a DuckDB-file warehouse to the last legacy migration; returns its version."""
     con = duckdb.connect(str(path))
     try:
         try:
             applied = {v for (v,) in con.execute("SELECT version FROM schema_migrations").fetchall()}
         except duckdb.CatalogException:
             raise WarehouseError(f"{path}: not a quantgate warehouse (no schema_migrations table)") from None
-        known = _migrations()
+        known = store.read_migrations(LEGACY)
         if applied and max(applied) > known[-1][0]:
             raise WarehouseError(f"{path}: schema version {max(applied)} is not one of a DuckDB-file warehouse")
-        for version, sql in known:
+        for version, name, sql in known:
             if version in applied:
                 continue
             con.execute("BEGIN TRANSACTION")
             con.execute(sql)
-            con.execute("INSERT INTO schema_migrations VALUES (?, ?, 'imported', now())", [version, f"{version:04d}"])
+            con.execute("INSERT INTO schema_migrations VALUES (?, ?, 'imported', now())", [version, name])
             con.execute("COMMIT")
-        return known[-1][0]
     finally:
         con.close()
 

@@ -58,12 +58,13 @@ def now() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
+def read_migrations(folder: Path) -> list[tuple[int, str, str]]:
+    """(version, file name, SQL) of each numbered migration in `folder`, in order."""
+    return [(int(f.name.split("_", 1)[0]), f.name, f.read_text()) for f in sorted(folder.glob("*.sql"))]
+
+
 def _migrations() -> list[tuple[int, str, str]]:
-    out = []
-    for f in sorted(MIGRATIONS.glob("*.sql")):
-        version = int(f.name.split("_", 1)[0])
-        out.append((version, f.name, f.read_text()))
-    return out
+    return read_migrations(MIGRATIONS)
 
 
 def _checksum(sql: str) -> str:
@@ -98,7 +99,6 @@ class _Lake:
             self.idle.append(con)
 
     def __init__(self, where: lake.Address, read_only: bool, sandbox: bool) -> None:
-        self.where, self.read_only = where, read_only
         self.db = lake.open_lake(where, read_only)
         self.sandbox = sandbox
         if sandbox:
@@ -182,10 +182,9 @@ def session(path: str | Path | None = None, read_only: bool = False,
                 opened.lock.release()
 
 
-def connect(path: str | Path | None = None, read_only: bool = True) -> duckdb.DuckDBPyConnection:
-    """A connection of its own to the warehouse (a script, a notebook): readers only; writers use `session`."""
-    if not read_only:
-        raise WarehouseError("write through store.session, which holds the warehouse's write lock")
+def connect(path: str | Path | None = None) -> duckdb.DuckDBPyConnection:
+    """A read-only connection of its own to the warehouse (a script, a notebook); writers use `session`, which
+    holds the warehouse's write lock."""
     where = address(path)
     con = lake.open_lake(where, read_only=True)
     _check_version(con, where.label)
@@ -300,21 +299,31 @@ def _read_transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
 def _replace(con, table: str, key: dict[str, Any], values: dict[str, Any]) -> None:
     """The row of `key` in `table` is now `key` + `values` (DuckLake has no keys to upsert on; the write lock
     makes the delete and insert one step)."""
-    where = " AND ".join(f'"{c}" = ?' for c in key)
     with transaction(con):
-        # A DuckLake DELETE costs about three lookups of the key; most keys written are new (a run's own rows).
-        if con.execute(f"SELECT 1 FROM {table} WHERE {where} LIMIT 1", list(key.values())).fetchone():
-            con.execute(f"DELETE FROM {table} WHERE {where}", list(key.values()))
+        _delete(con, table, key)
         _insert(con, table, {**key, **values})
 
 
 def _insert_new(con, table: str, key: dict[str, Any], values: dict[str, Any]) -> bool:
     """Insert the row unless its key is there; whether it was inserted."""
-    where = " AND ".join(f'"{c}" = ?' for c in key)
-    if con.execute(f"SELECT 1 FROM {table} WHERE {where} LIMIT 1", list(key.values())).fetchone():
+    if _holds(con, table, key):
         return False
     _insert(con, table, {**key, **values})
     return True
+
+
+def _holds(con, table: str, match: dict[str, Any]) -> bool:
+    """Whether `table` has a row with these column values."""
+    where = " AND ".join(f'"{c}" = ?' for c in match)
+    return con.execute(f"SELECT 1 FROM {table} WHERE {where} LIMIT 1", list(match.values())).fetchone() is not None
+
+
+def _delete(con, table: str, match: dict[str, Any]) -> None:
+    """Delete the rows with these column values, looking first: a DuckLake DELETE costs about three lookups, and
+    most rows written are new (a run's own)."""
+    if _holds(con, table, match):
+        where = " AND ".join(f'"{c}" = ?' for c in match)
+        con.execute(f"DELETE FROM {table} WHERE {where}", list(match.values()))
 
 
 def _insert(con, table: str, row: dict[str, Any]) -> None:
@@ -687,9 +696,7 @@ def record_decisions(con, run_id: str, decisions: Sequence[Decision], policy: di
                 "speedup": d.speedup, "size_ratio": d.size_ratio, "policy_hash": d.policy_hash,
                 "policy": _json(policy), "decided_at": now(), "quality_lower_bound": d.quality_lower_bound,
                 "flip_rate": d.flip_rate})
-            if con.execute("SELECT 1 FROM decision_checks WHERE run_id = ? AND variant_uid = ? LIMIT 1",
-                           [run_id, d.variant_uid]).fetchone():
-                con.execute("DELETE FROM decision_checks WHERE run_id = ? AND variant_uid = ?", [run_id, d.variant_uid])
+            _delete(con, "decision_checks", {"run_id": run_id, "variant_uid": d.variant_uid})
             for position, c in enumerate(d.checks):
                 row = asdict(c)
                 con.execute(checks_sql, [run_id, d.variant_uid, position,
