@@ -90,8 +90,6 @@ class _Lake:
                 return self.idle.pop()
         con = self.db.cursor()
         con.execute(f"USE {lake.ALIAS}")  # a cursor starts in DuckDB's own in-memory catalog
-        if not self.sandbox:
-            con.execute(f"SET disabled_optimizers = '{lake.COSTLY_OPTIMIZERS}'")
         return con
 
     def give_back(self, con: duckdb.DuckDBPyConnection) -> None:
@@ -100,9 +98,8 @@ class _Lake:
 
     def __init__(self, where: lake.Address, read_only: bool, sandbox: bool) -> None:
         self.db = lake.open_lake(where, read_only)
-        self.sandbox = sandbox
+        self.db.execute(f"SET disabled_optimizers = '{lake.COSTLY_OPTIMIZERS}'")  # global: every cursor has it
         if sandbox:
-            self.db.execute(f"SET disabled_optimizers = '{lake.COSTLY_OPTIMIZERS}'")
             # After the attach: the lake's data files stay readable, nothing else is (its SQLite catalog is read
             # through SQLite's own file layer), and nothing can be set back.
             self.db.execute("SET allowed_directories = ?", [[where.data_path] if where.data_path else []])
