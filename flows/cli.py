@@ -63,8 +63,7 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress and no log path: results and errors only")] = False,
 ) -> None:
     """Download, quantize, evaluate, benchmark and decide one model; ends with where the time went."""
-    from quantgate.flows import live
-    from quantgate.flows.evaluate_model import evaluate_model, work_dir
+    from quantgate.flows import live, prefect_api
 
     cat = load_catalog(catalog or DEFAULT_CATALOG)
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
@@ -73,7 +72,11 @@ def run(
     adhoc_model(cat, model, chosen, scenarios=picked, engines=kept)  # bad input fails here, in one line
     with store.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
         pass
-    with live.run_view(work_dir(str(workdir) if workdir else None), model, quiet=quiet):
+    with live.run_view(live.work_dir(str(workdir) if workdir else None), model, quiet=quiet):
+        server_answers = prefect_api.start_temporary_server()  # inside the view: its output goes to the run's log
+        from quantgate.flows.evaluate_model import evaluate_model
+
+        server_answers()
         card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
                               warehouse=str(warehouse) if warehouse else None, variants=chosen,
                               workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,

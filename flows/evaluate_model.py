@@ -25,6 +25,7 @@ from quantgate.catalog.schema import (
     load_catalog, with_revision,
 )
 from quantgate.flows import dispatch, interrupts, progress
+from quantgate.flows.live import work_dir
 from quantgate.flows.inputs import model_inputs
 from quantgate.flows.speed_plan import SpeedPlan
 from quantgate.tasks import faults, gpu_memory, launch
@@ -48,10 +49,6 @@ class ModelOutputError(RuntimeError):
 
 
 USER_ERRORS = (ModelOutputError, CatalogError, DownloadError, CalibrationError, DivergenceError, store.WarehouseError)
-
-
-def work_dir(explicit: str | None = None) -> Path:
-    return Path(explicit or os.environ.get("QUANTGATE_HOME", ".quantgate")).resolve()
 
 
 def _run_name() -> str:
@@ -517,9 +514,9 @@ def _eval_setup(load_time: bool = False) -> EvalSetup:
     base and a variant under the same evaluation config."""
     import importlib.util
 
-    import torch
+    from quantgate.tasks.engines import cuda_available
 
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return EvalSetup("hf", "cpu", "float32")
     return EvalSetup("vllm" if importlib.util.find_spec("vllm") and not load_time else "hf", "cuda", "bfloat16")
 

@@ -23,6 +23,11 @@ from rich.text import Text
 from quantgate.flows import progress
 
 
+def work_dir(explicit: str | None = None) -> Path:
+    """Where checkpoints, caches and run logs are kept: `explicit`, else QUANTGATE_HOME, else ./.quantgate."""
+    return Path(explicit or os.environ.get("QUANTGATE_HOME", ".quantgate")).resolve()
+
+
 @dataclass
 class RunView:
     """The terminal while a run's output goes to `log_path`: `out` for results, `err` for the error line."""

@@ -35,7 +35,7 @@ def _name() -> str:
 def plan(catalog: str | None, warehouse: str | None, workdir: str | None, all_models: bool = False,
          models: list[str] | None = None) -> list[dict[str, Any]]:
     """For each catalog model: action 'run', 'skip' or 'unavailable', and why."""
-    from quantgate.flows.evaluate_model import work_dir
+    from quantgate.flows.live import work_dir
 
     cat = load_catalog(Path(catalog) if catalog else DEFAULT_CATALOG)
     root = work_dir(workdir)
@@ -78,7 +78,8 @@ def nightly(
     evaluate_deployment: str | None = None,
 ) -> list[dict[str, Any]]:
     """Start an evaluation of each catalog model whose inputs changed (all of them with `all_models`)."""
-    from quantgate.flows.evaluate_model import evaluate_model, work_dir
+    from quantgate.flows.evaluate_model import evaluate_model
+    from quantgate.flows.live import work_dir
 
     log = get_run_logger()
     rows = plan(catalog, warehouse, workdir, all_models, models)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prefect import flow
 
 from quantgate.catalog.schema import DEFAULT_CATALOG, adhoc_model, load_catalog
-from quantgate.flows.evaluate_model import work_dir
+from quantgate.flows.live import work_dir
 from quantgate.tasks.caching import download_cached
 from quantgate.tasks.records import ModelArtifact
 

@@ -23,7 +23,7 @@ from prefect import task
 
 from quantgate.catalog.schema import OfflineScenario, ScenarioSpec
 from quantgate.tasks import engines, faults, launch
-from quantgate.tasks.engines import Engine, EngineOptions, RequestTiming
+from quantgate.tasks.engines import Engine, EngineOptions, RequestTiming, cuda_available
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.roofline import (
@@ -245,10 +245,10 @@ def speed_environment() -> dict[str, Any]:
     device: every visible GPU's name and the driver (NVML), or the CPU."""
     import platform
 
-    import torch
+    if cuda_available():
+        import torch
 
-    versions = _versions("vllm", "cuda" if torch.cuda.is_available() else "cpu")
-    if torch.cuda.is_available():
+        versions = _versions("vllm", "cuda")
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         try:
             import pynvml
@@ -258,6 +258,7 @@ def speed_environment() -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - no NVML: the GPU names and CUDA version still say what ran
             driver = None
         return {"versions": versions, "gpus": gpus, "driver": driver}
+    versions = _versions("vllm", "cpu")
     return {"versions": versions, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
 
 

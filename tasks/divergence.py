@@ -11,13 +11,15 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from prefect import task
 
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import MetricResult, QualityReport, SampleResult
+
+if TYPE_CHECKING:
+    import torch
 
 TASK, METRIC, VERSION = "kl_divergence", "mean_token_kl", "1"
 EVALUATOR = "quantgate-kl"
@@ -38,6 +40,7 @@ def kl_eval_key(text_file: str, seq_len: int = 256, max_tokens: int = 4096, dtyp
 
 
 def _windows(base_path: str, text_file: str, seq_len: int, max_tokens: int) -> list[torch.Tensor]:
+    import torch
     from transformers import AutoTokenizer
 
     if seq_len < 2 or max_tokens < 1:
@@ -84,6 +87,8 @@ def kl_divergence(
 
 def _against(base: torch.nn.Module, variant: torch.nn.Module, windows: list[torch.Tensor],
              device: str) -> tuple[MetricResult, list[SampleResult]]:
+    import torch
+
     samples: list[SampleResult] = []
     total, count = 0.0, 0
     with torch.inference_mode():
@@ -130,6 +135,8 @@ def kl_reports(
     """kl_divergence of each variant (by uid) as a QualityReport for `store.record_quality`, the base loaded
     once for all of them and each variant in turn; a failure comes back as status "failed" (a failed base
     load fails every report)."""
+    import torch
+
     config = {"base": base_path, "text_file": text_file, "seq_len": seq_len, "max_tokens": max_tokens,
               "device": device, "dtype": dtype}  # fmt: skip
     key = kl_eval_key(text_file, seq_len, max_tokens, dtype)

@@ -12,9 +12,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Qwen/Qwen2.5-7B-Instruct config.json and generation_config.json, as published.
 QWEN25_7B_INSTRUCT: dict = {
@@ -61,9 +62,6 @@ IGNORE = ("lm_head",)  # llm-compressor's usual W4A16 recipe keeps the output he
 INIT_STD = 0.02
 # Symmetric int4 codes are uniform over -8..7 (std ~4.6); this scale gives dequantized std ~INIT_STD.
 W4_SCALE = INIT_STD / 4.6
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 class DummyWeightsError(RuntimeError):
     """A config that cannot be laid out as asked; the message is one line."""
@@ -156,6 +154,8 @@ def write_dummy_checkpoint(
 
     shards: tuple[str, ...] = ()
     if write_weights:
+        import torch
+
         shards = _write_weights(
             out, plan, seed, device or ("cuda" if torch.cuda.is_available() else "cpu"), max_shard_bytes
         )
@@ -182,6 +182,7 @@ def layout(
 
 def _plan(config: dict, quant: str | None, group_size: int) -> list[_Tensor]:
     """Every tensor the checkpoint holds, named from the transformers model built on the meta device."""
+    import torch
     from compressed_tensors.utils import match_named_modules
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -192,7 +193,8 @@ def _plan(config: dict, quant: str | None, group_size: int) -> list[_Tensor]:
         raise DummyWeightsError(f"config is not a transformers config: {e}") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    dtype = _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    dtype = dtypes.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
 
     quantized: set[str] = set()
     if quant == "w4a16":
@@ -305,6 +307,7 @@ def _write_tokenizer(out: Path, config: dict) -> None:
 
 
 def _write_weights(out: Path, plan: list[_Tensor], seed: int, device: str, max_shard_bytes: int) -> tuple[str, ...]:
+    import torch
     from safetensors.torch import save_file
 
     groups: list[list[_Tensor]] = [[]]
@@ -338,6 +341,8 @@ def _write_weights(out: Path, plan: list[_Tensor], seed: int, device: str, max_s
 
 
 def _random(t: _Tensor, gen: torch.Generator, device: str) -> torch.Tensor:
+    import torch
+
     match t.kind:
         case "dense":
             return (torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32) * INIT_STD).to(t.dtype)

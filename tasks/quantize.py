@@ -22,7 +22,6 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import torch
 from prefect import task
 from safetensors import safe_open
 
@@ -101,6 +100,8 @@ def base_variant(model: ModelArtifact) -> VariantArtifact:
 
 
 def _nonfinite_tensor(folder: Path) -> str | None:
+    import torch
+
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -204,6 +205,7 @@ def variant_from_row(row: dict[str, Any], spec: VariantSpec) -> VariantArtifact 
 def quantize_measured(model_path: Path, spec: VariantSpec, samples: CalibrationSamples | None, out: Path) -> int:
     """llm-compressor's build of `spec` into `out`; returns the peak memory it took (GPU allocator, else the
     process's resident set: on a CPU that is the process's peak so far, not this build's alone)."""
+    import torch
     from quantgate.tasks.quantizers.llmcompressor import quantize
 
     on_gpu = torch.cuda.is_available()
@@ -214,6 +216,8 @@ def quantize_measured(model_path: Path, spec: VariantSpec, samples: CalibrationS
 
 
 def _peak_memory_bytes(on_gpu: bool) -> int:
+    import torch
+
     if on_gpu:
         return torch.cuda.max_memory_allocated()
     # ru_maxrss is in KiB on Linux and is the process's peak so far, not this build's alone.
@@ -232,6 +236,8 @@ def build_variant(
     `existing(uid)` may return the warehouse's row for the uid; a built row whose folder still
     exists is reused too. A load-time spec (bitsandbytes) goes to `build_load_time`.
     """
+    import torch
+
     if spec.load_time:
         return build_load_time(model, spec, out_root, existing)
     versions = lib_versions()
@@ -296,6 +302,7 @@ def load_time_uid(model: ModelArtifact, spec: VariantSpec) -> str:
 
 
 def _finite_logits(model: Any, tokenizer_path: str) -> bool:
+    import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -316,6 +323,7 @@ def build_load_time(
     measure its size in memory (Transformers' footprint of parameters and buffers in the checkpoint's
     dtype, the counterpart of the base's size on disk). The variant's folder then holds the base's small
     files and the config (tasks.loadtime). Where bitsandbytes cannot run here the variant is "skipped"."""
+    import torch
     from quantgate.tasks import loadtime
 
     versions = load_time_versions()

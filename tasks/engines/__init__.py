@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 
 from quantgate.tasks.engines.base import Engine, EngineError, EngineOptions, Generation, RequestTiming
 
@@ -12,10 +13,30 @@ ENGINES: dict[str, str] = {
     "vllm": "quantgate.tasks.engines.vllm:VllmEngine",
 }
 
-__all__ = ["ENGINES", "Engine", "EngineError", "EngineOptions", "Generation", "RequestTiming", "availability", "create"]
+__all__ = [
+    "ENGINES", "Engine", "EngineError", "EngineOptions", "Generation", "RequestTiming", "availability", "create",
+    "cuda_available",
+]
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch (seconds) where NVML finds no GPU: a machine without
+    the NVIDIA driver, which CUDA needs too, or one whose CUDA_VISIBLE_DEVICES hides every GPU."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() == 0:
+                return False
+        finally:
+            pynvml.nvmlShutdown()
+    except ImportError:
+        pass
+    except pynvml.NVMLError:
+        return False
     import torch
 
     return torch.cuda.is_available()
@@ -30,9 +51,9 @@ def availability(engine: str, device: str) -> str | None:
             return "vllm is not installed (install the 'gpu' extra on a CUDA machine)"
         if device == "cpu":
             return "vllm runs on a CUDA GPU only; the scenario asks for cpu"
-        if not _cuda_available():
+        if not cuda_available():
             return "vllm needs a CUDA GPU and none is visible"
-    elif device == "cuda" and not _cuda_available():
+    elif device == "cuda" and not cuda_available():
         return f"the scenario asks for cuda but no CUDA GPU is visible to {engine}"
     return None
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from quantgate.catalog.schema import ScenarioSpec
-from quantgate.tasks.engines import EngineOptions
+from quantgate.tasks.engines import EngineOptions, cuda_available
 from quantgate.tasks.dummy_weights import DummyWeightsError
 from quantgate.tasks.roofline import RooflineError, checkpoint_tensors, kv_bytes_per_token
 from quantgate.tasks.speed.checkpoint import text_config
@@ -32,9 +32,7 @@ ENGINE_OVERHEAD_BYTES = 3584 << 20
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_available() else "cpu"
 
 
 def engine_options(
