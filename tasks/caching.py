@@ -195,6 +195,8 @@ def build_cached(
     def trusted(v: VariantArtifact) -> bool:
         return v.ok and v.path is not None and (Path(v.path) / quantize.MARKER).is_file()
 
+    # The variant is in the run's name, not in a tag: Prefect asks its server for the limits of each new set of
+    # tags (up to seconds on the temporary server), and remembers only for a few seconds that a set has none.
     variant, hit = _run(task, (model, spec, calib, root / "variants", existing), trusted,
-                        [f"model:{model.model_id}", f"variant:{spec.name}"], f"quantize {model.model_id}/{spec.name}")
+                        [f"model:{model.model_id}"], f"quantize {model.model_id}/{spec.name}")
     return replace(variant, reused=True) if hit else variant
