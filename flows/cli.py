@@ -6,10 +6,11 @@ import atexit
 import gc
 import json
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import click
 import typer
@@ -40,6 +41,10 @@ CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", "-c", help="cat
 WorkdirOpt = Annotated[
     Optional[Path], typer.Option("--workdir", help="where checkpoints are kept (env QUANTGATE_HOME; default .quantgate)")
 ]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="table, csv, json or markdown")]
+FORMATS = ("table", "csv", "json", "markdown")
+# What the end of a run and `quantgate checks` fit in: an 80-120 column terminal keeps every verdict on screen.
+TABLE_WIDTH = 100
 _debug = False
 
 
@@ -61,10 +66,13 @@ def run(
     remeasure: Annotated[bool, typer.Option(help="measure speed anew even where an earlier run measured the same")] = False,
     gpus: Annotated[Optional[str], typer.Option(help="comma-separated GPU ids as nvidia-smi numbers them: benchmarks of different checkpoints side by side, one per GPU (default: what CUDA_VISIBLE_DEVICES shows)")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress and no log path: results and errors only")] = False,
+    fmt: FormatOpt = "table",
 ) -> None:
-    """Download, quantize, evaluate, benchmark and decide one model; ends with where the time went."""
+    """Download, quantize, evaluate, benchmark and decide one model; ends with each variant's verdict and the
+    check that made it, then where the time went."""
     from quantgate.flows import live, prefect_api
 
+    _check_format(fmt)
     cat = load_catalog(catalog or DEFAULT_CATALOG)
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
     picked = _names(scenarios)
@@ -81,15 +89,68 @@ def run(
                               warehouse=str(warehouse) if warehouse else None, variants=chosen,
                               workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
                               remeasure=remeasure, gpus=gpus)
-    _print_rows(card, ["model_id", "variant", "quality_recovery", "speedup", "size_ratio", "decision", "reason"])
+    verdicts = [_verdict(r) for r in card]
+    if fmt != "table":
+        _print_frame(verdicts, fmt)
+        return
+    _print_rows(verdicts, ["variant", "decision", "deciding_check", "size", "speedup"], width=TABLE_WIDTH)
     if card:
+        model_id = card[0]["model_id"]
+        console.print(f"every check: quantgate checks {model_id} [VARIANT]\n"
+                      f"full report: quantgate report --model {model_id} --out report.html", highlight=False)
         with store.session(warehouse, read_only=True) as con:
             stages = store.stage_summary(con, card[0]["run_id"])
             timeline = store.rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [card[0]["run_id"]])
-        _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"])
+        _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"], width=TABLE_WIDTH)
         for t in timeline:
             console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
                           f"{t['engine_starts']} engine start(s)")
+
+
+def _verdict(row: dict) -> dict:
+    """A scorecard row as the end of a run shows it: the verdict first, then the check that made it (its value
+    against its threshold; none for an accept), size and speedup over the base."""
+    if row["deciding_check"] is None:
+        deciding = "every check passed" if row["decision"] == "accept" else row["reason"].split(": ", 1)[-1]
+    else:
+        deciding = f"{row['deciding_check']} {_cell(row['deciding_value'])}"
+        if row["deciding_threshold"] is not None:
+            deciding += f" vs {_cell(row['deciding_threshold'])}"
+        if row["items_to_decide"]:
+            deciding += f"; ~{row['items_to_decide']:,} items would decide"
+    times = lambda x: None if x is None else f"{x:.2f}x"  # noqa: E731
+    return {"variant": row["variant"], "decision": row["decision"], "deciding_check": deciding,
+            "size": times(row["size_ratio"]), "speedup": times(row["speedup"])}
+
+
+@app.command()
+def checks(
+    model: Annotated[str, typer.Argument(help="the model id whose latest run's decisions to explain")],
+    variant: Annotated[Optional[str], typer.Argument(help="only this variant")] = None,
+    run_id: Annotated[Optional[str], typer.Option("--run", help="this run instead of the model's latest")] = None,
+    warehouse: WarehouseOpt = None,
+    fmt: FormatOpt = "table",
+) -> None:
+    """Every check behind a model's verdicts, in the order the policy applies them: outcome, value against
+    threshold with its interval, and the full reason."""
+    _check_format(fmt)
+    with store.session(warehouse, read_only=True) as con:
+        if run_id is None:
+            latest = store.rows(con, "SELECT run_id FROM latest_runs WHERE model_id = ?", [model])
+            if not latest:
+                raise typer.BadParameter(f"no finished run of {model!r} in the warehouse", param_hint="model")
+            run_id = latest[0]["run_id"]
+        found = store.rows(
+            con, "SELECT v.name AS variant, c.position, c.kind, c.name AS check, c.outcome, c.value, c.lower, c.upper,"
+                 " c.threshold, c.items, c.items_to_decide, c.note FROM decision_checks c JOIN variants v USING (variant_uid)"
+                 " WHERE c.run_id = ? AND (? IS NULL OR v.name = ?) ORDER BY v.name, c.position",
+            [run_id, variant, variant])
+    if not found:
+        raise typer.BadParameter(f"run {run_id} has no checks{f' for variant {variant!r}' if variant else ''}")
+    if fmt != "table":
+        _print_frame(found, fmt)
+        return
+    _print_rows(found, ["variant", "outcome", "note"], width=TABLE_WIDTH)  # the note names the check and its figures
 
 
 @app.command()
@@ -237,11 +298,12 @@ def watch(
 def sql(
     query: Annotated[str, typer.Argument(help="SQL to run read-only against the warehouse")],
     warehouse: WarehouseOpt = None,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="table, csv, json or markdown")] = "table",
+    fmt: FormatOpt = "table",
 ) -> None:
     """Run a read-only SQL query against the warehouse and print the result."""
     import duckdb
 
+    _check_format(fmt)
     # Read-only and shut off from the file system: a query can change neither the warehouse nor any file.
     with store.session(warehouse, read_only=True, sandbox=True) as con:
         try:
@@ -258,15 +320,27 @@ def sql(
         if fmt == "table":  # DuckDB's own box rendering, as its CLI prints it
             rel.show(max_width=_width(), max_rows=10_000, max_col_width=120, null_value="NULL")
             return
-        df = rel.df()
+        _write_frame(rel.df(), fmt)
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"unknown format {fmt!r}: use {', '.join(FORMATS)}", param_hint="--format")
+
+
+def _print_frame(rows: list[dict], fmt: str) -> None:
+    import pandas as pd
+
+    _write_frame(pd.DataFrame(rows), fmt)
+
+
+def _write_frame(df: Any, fmt: str) -> None:
     if fmt == "csv":
         sys.stdout.write(df.to_csv(index=False))
     elif fmt == "json":
         sys.stdout.write(df.to_json(orient="records", date_format="iso", indent=1) + "\n")
-    elif fmt == "markdown":
-        sys.stdout.write(df.to_markdown(index=False) + "\n")
     else:
-        raise typer.BadParameter(f"unknown format {fmt!r}: use table, csv, json or markdown", param_hint="--format")
+        sys.stdout.write(df.to_markdown(index=False) + "\n")
 
 
 @app.command()
@@ -358,14 +432,13 @@ def catalog_validate(path: Annotated[Path, typer.Argument(help="catalog YAML")] 
 
 
 def _width() -> int:
-    import shutil
-
     return max(shutil.get_terminal_size((200, 50)).columns, 120)
 
 
-def _print_rows(rows: list[dict], columns: list[str]) -> None:
+def _print_rows(rows: list[dict], columns: list[str], width: int | None = None) -> None:
     table = Table(show_lines=False)
-    console.width = _width()
+    # `width` caps the table at the terminal's width or at `width`, whichever is narrower.
+    console.width = min(shutil.get_terminal_size((width, 50)).columns, width) if width else _width()
     for c in columns:
         table.add_column(c, overflow="fold")
     for r in rows:

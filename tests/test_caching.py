@@ -146,7 +146,7 @@ def test_an_overlapping_calibration_is_refused_on_a_rerun_too(tmp_path, capfd):
     catalog = write_catalog(tmp_path, method="gptq", scheme="W4A16",
                             calibration=f"{{path: {STORIES}, samples: 2, seq_len: 64}}")
     args = ["run", "-c", str(catalog), "tiny", "-w", str(tmp_path / "w.ducklake"), "--workdir", str(tmp_path / "work")]
-    messages = [assert_one_line(*quantgate(capfd, *args), f"calibration set text {STORIES} overlaps") for _ in range(2)]
+    messages = [assert_one_line(*quantgate(capfd, *args), f"calibration set text {STORIES.resolve()} overlaps") for _ in range(2)]
     assert messages[0] == messages[1]
     with store.session(tmp_path / "w.ducklake", read_only=True) as con:
         attempts = [a for (a,) in con.execute("SELECT attempt_id FROM run_attempts ORDER BY started_at").fetchall()]

@@ -1,6 +1,10 @@
 """End to end: the evaluate-model flow on the real tiny model, with real Prefect, llm-compressor,
 lm-eval, transformers and DuckDB, into a temporary warehouse; then the same model again."""
 
+import csv
+import io
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +187,29 @@ def test_every_measurement_has_its_window_and_nothing_overlaps_it(two_runs):
     assert measured and len(windows) == measured
     assert all(w["seconds"] > 0 and w["waited_s"] >= 0 for w in windows)
     assert [(w["overlapping_work"], w["overlapping_measurements"]) for w in windows] == [(0, 0)] * len(windows)
+
+
+def test_a_runs_end_fits_100_columns_with_the_verdict_first(two_runs):
+    """Last in this module: it adds a third (cached) run."""
+    wh, first = two_runs[0], two_runs[1]
+    cli = [sys.executable, "-m", "quantgate.flows.cli"]
+    env = {**os.environ, "COLUMNS": "100"}  # as on a terminal of 100 columns (the output here is a pipe)
+    done = subprocess.run([*cli, "run", "stories260k", "-w", wh, "--workdir", str(Path(wh).parent / "work"), "-q"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert max(map(len, lines)) <= 100, done.stdout
+    header = [c.strip() for c in re.split("[┃│]", next(line for line in lines if "variant" in line))]
+    assert header[1:-1] == ["variant", "decision", "deciding_check", "size", "speedup"]
+    for row in first:
+        assert any(row["variant"] in line and f" {row['decision']} " in line for line in lines), row
+    assert "every check: quantgate checks stories260k [VARIANT]" in done.stdout
+
+    one = subprocess.run([*cli, "checks", "stories260k", "gptq-w4a16-g32", "-w", wh], capture_output=True, text=True,
+                         env=env)
+    assert one.returncode == 0 and max(map(len, one.stdout.splitlines())) <= 100, one.stdout + one.stderr
+    assert "qg_simple_stories/bits_per_byte" in one.stdout and "awq-w4a16-g32" not in one.stdout
+    every = subprocess.run([*cli, "checks", "stories260k", "-w", wh, "-f", "csv"], capture_output=True, text=True)
+    checks = list(csv.DictReader(io.StringIO(every.stdout)))
+    assert {c["variant"] for c in checks} == {r["variant"] for r in first}
+    assert {c["kind"] for c in checks} >= {"quality", "size", "speed"} and all(c["note"] for c in checks)
