@@ -1,7 +1,7 @@
-"""README's "Verdicts on the H200" section, generated from a committed reference run's tables.
+"""docs/results.md: the "Verdicts on the H200" section, generated from a committed reference run's tables.
 
-    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference1          # print the section
-    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference1 --write  # replace it in README.md
+    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference9          # print the section
+    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference9 --write  # replace it in docs/results.md
 
 The folder holds the tables a run measured (Parquet, as `quantgate export --tables-only` writes them); they are
 loaded through today's migrations and views (benchmarks/summarize.py), and the section lists, per variant, its
@@ -25,7 +25,7 @@ from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, PublishedFig
 from quantgate.warehouse import store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "results.md"
 BEGIN, END = "<!-- verdicts:begin -->", "<!-- verdicts:end -->"
 
 
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG,
                         help="the catalog whose model's published figures stand beside the base (default: %(default)s)")
-    parser.add_argument("--write", action="store_true", help="replace the section in README.md")
+    parser.add_argument("--write", action="store_true", help="replace the section in docs/results.md")
     args = parser.parse_args()
     try:
         text = section(args.folder, args.catalog)
@@ -133,11 +133,11 @@ def main() -> None:
     if not args.write:
         print(text)
         return
-    readme = README.read_text()
+    readme = PAGE.read_text()
     if BEGIN not in readme or END not in readme:
-        sys.exit(f"{README}: no {BEGIN} … {END} markers to write between")
+        sys.exit(f"{PAGE}: no {BEGIN} … {END} markers to write between")
     head, rest = readme.split(BEGIN, 1)
-    README.write_text(head + text + rest.split(END, 1)[1])
+    PAGE.write_text(head + text + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

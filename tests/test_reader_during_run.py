@@ -1,4 +1,4 @@
-"""A person reads the warehouse while a run writes it: the `duckdb` CLI, opened as README says, holds a read
+"""A person reads the warehouse while a run writes it: the `duckdb` CLI, opened as docs/warehouse.md says, holds a read
 transaction open the whole time, and `quantgate run` still decides every variant; the reader's snapshot stays
 as it began until it commits, then sees the run."""
 
