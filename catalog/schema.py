@@ -20,13 +20,15 @@ from pydantic import (
     BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator,
 )
 
+from quantgate.catalog.errors import QuantgateError
+
 CATALOG_DIR = Path(__file__).resolve().parent
 DEFAULT_CATALOG = CATALOG_DIR / "models.yaml"
 LOCAL_TASKS_DIR = CATALOG_DIR / "lm_eval_tasks"
 EVAL_DATA_ENV = "QUANTGATE_EVAL_DATA"
 
 
-class CatalogError(ValueError):
+class CatalogError(QuantgateError, ValueError):
     """A catalog or policy file that does not validate; the message is one line."""
 
 

@@ -18,7 +18,8 @@ from prefect.exceptions import FailedRun
 from rich.console import Console
 from rich.table import Table
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, adhoc_model, load_catalog, resolve_variants
+from quantgate.catalog.errors import QuantgateError
+from quantgate.catalog.schema import DEFAULT_CATALOG, adhoc_model, load_catalog, resolve_variants
 from quantgate.flows import interrupts
 from quantgate.warehouse import store
 
@@ -485,7 +486,8 @@ def main() -> None:
             raise
         msg = e.format_message() if hasattr(e, "format_message") else str(e)
         first = (msg.strip().splitlines() or [type(e).__name__])[0]
-        known = isinstance(e, (CatalogError, store.WarehouseError, FailedRun)) or type(e).__name__.endswith("Error")
+        # quantgate's own failures (and a flow that ended Failed with one) are their message; anything else is named.
+        known = isinstance(e, (QuantgateError, FailedRun))
         err.print(f"error: {first}" if known else f"error: {type(e).__name__}: {first}", highlight=False)
         sys.exit(1)
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from quantgate.catalog.errors import QuantgateError
+
 REPO = Path(__file__).resolve().parents[1]
 POOLS = {"quantgate-cpu": "download, quantize and evaluate small models, decisions, warehouse writes",
          "quantgate-gpu": "GPU steps (gpu-step, gpu-suite): one GPU per worker"}
@@ -15,7 +17,7 @@ POOLS = {"quantgate-cpu": "download, quantize and evaluate small models, decisio
 REPO_ENV = "QUANTGATE_REPO"
 
 
-class DeployError(RuntimeError):
+class DeployError(QuantgateError, RuntimeError):
     """Deployment that cannot be done; one line."""
 
 

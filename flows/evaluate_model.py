@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import (
     DEFAULT_CATALOG, CalibrationSpec, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model,
     load_catalog, with_revision,
@@ -44,7 +45,7 @@ from quantgate.warehouse import store
 T = TypeVar("T")
 
 
-class ModelOutputError(RuntimeError):
+class ModelOutputError(QuantgateError, RuntimeError):
     """A base model whose outputs are not finite: nothing can be judged against it; the message is one line."""
 
 

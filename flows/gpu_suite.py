@@ -32,6 +32,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import (
     CATALOG_DIR, DEFAULT_CATALOG, GpuSuiteSpec, ScenarioSpec, SuiteStep, load_catalog, load_gpu_suite,
 )
@@ -51,7 +52,7 @@ DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
 FLOW_NAME = "gpu-suite"
 
 
-class GpuSuiteError(RuntimeError):
+class GpuSuiteError(QuantgateError, RuntimeError):
     """A suite that cannot run as asked; the message is one line."""
 
 

@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import Catalog, GgufSource, HubSource, LocalSource, ModelSpec
 from quantgate.tasks import download
 
@@ -21,7 +22,7 @@ INPUT_LIBS = ("quantgate", "llmcompressor", "compressed-tensors", "transformers"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-class ShaUnavailable(RuntimeError):
+class ShaUnavailable(QuantgateError, RuntimeError):
     """The model's current checkpoint cannot be identified now (offline hub, missing folder); one line."""
 
 

@@ -24,6 +24,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, CatalogError, WatchSpec, load_catalog
 from quantgate.flows import dispatch
 from quantgate.warehouse import store
@@ -33,7 +34,7 @@ EXPAND = ["sha", "author", "lastModified", "createdAt"]
 Lister = Callable[[WatchSpec], Iterable[Any]]
 
 
-class HubListingError(RuntimeError):
+class HubListingError(QuantgateError, RuntimeError):
     """The hub listing cannot be had; one line."""
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from prefect import task
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import (
     CalibrationSpec, ChatCalibration, EvalHoldoutCalibration, HoldoutSlice, LocalTask, SuiteSpec, TextCalibration,
     default_kl_text,
@@ -51,7 +52,7 @@ COPIED_SHARE = 0.5
 COPIED_SHINGLES = 8
 
 
-class CalibrationError(RuntimeError):
+class CalibrationError(QuantgateError, RuntimeError):
     """A calibration set that cannot be read, is too small, or overlaps evaluated text; the message is one line."""
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import task
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import MetricResult, QualityReport, SampleResult
 
@@ -25,7 +26,7 @@ TASK, METRIC, VERSION = "kl_divergence", "mean_token_kl", "1"
 EVALUATOR = "quantgate-kl"
 
 
-class DivergenceError(RuntimeError):
+class DivergenceError(QuantgateError, RuntimeError):
     """Unusable input for a KL run (unreadable or too short text, mismatched vocabularies); one line."""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from prefect import task
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import GgufParts, GgufSource, HubSource, LocalSource, ModelSpec
 from quantgate.tasks import faults, gguf_parts
 from quantgate.tasks.files import write_atomic
@@ -43,7 +44,7 @@ _CHUNK = 8 << 20
 GGUF_CONVERTER = 2
 
 
-class DownloadError(RuntimeError):
+class DownloadError(QuantgateError, RuntimeError):
     """A model that cannot be fetched; the message is one line naming the model."""
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from quantgate.catalog.errors import QuantgateError
+
 if TYPE_CHECKING:
     import torch
 
@@ -63,7 +65,7 @@ INIT_STD = 0.02
 # Symmetric int4 codes are uniform over -8..7 (std ~4.6); this scale gives dequantized std ~INIT_STD.
 W4_SCALE = INIT_STD / 4.6
 
-class DummyWeightsError(RuntimeError):
+class DummyWeightsError(QuantgateError, RuntimeError):
     """A config that cannot be laid out as asked; the message is one line."""
 
 

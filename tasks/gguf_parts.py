@@ -26,6 +26,7 @@ from pathlib import Path
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, GgufParts, GgufSource, load_catalog
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ ASSEMBLED_DIR = "gguf-files"
 _CHUNK = 8 << 20
 
 
-class AssemblyError(RuntimeError):
+class AssemblyError(QuantgateError, RuntimeError):
     """A part that cannot be fetched or read, or an assembled file unlike the catalog's; the message is one line."""
 
 

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.telemetry import device_memory
 
@@ -51,7 +52,7 @@ MEMORY_POLL_S = 0.5
 MEMORY_WAIT_S = 900.0
 
 
-class LaunchError(RuntimeError):
+class LaunchError(QuantgateError, RuntimeError):
     """Work in a process of its own that did not answer; the message is one line."""
 
 

@@ -21,6 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import VariantSpec
 
 LOAD_FILE = "quantgate-load.json"
@@ -31,7 +32,7 @@ _WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 _NOISE = r"MatMul8bitLt: inputs will be cast from torch\.float32 to float16"
 
 
-class LoadTimeError(RuntimeError):
+class LoadTimeError(QuantgateError, RuntimeError):
     """A load-time variant folder that cannot be used; the message is one line."""
 
 

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from quantgate.catalog.errors import QuantgateError
+
 Aggregation = Literal["mean", "bits_per_byte", "weighted_perplexity", "perplexity"]
 RESAMPLES = 2000
 SEED = 0
@@ -24,7 +26,7 @@ SEED = 0
 _BATCH_ENTRIES = 4_000_000
 
 
-class QualityStatsError(RuntimeError):
+class QualityStatsError(QuantgateError, RuntimeError):
     """Per-item results that cannot be paired or aggregated; the message is one line."""
 
 

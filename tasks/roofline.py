@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.tasks.dummy_weights import layout
 from quantgate.tasks.speed.checkpoint import safetensors_headers
 
 Tensors = dict[str, tuple[tuple[int, ...], int]]  # name -> (shape, bytes)
 
 
-class RooflineError(RuntimeError):
+class RooflineError(QuantgateError, RuntimeError):
     """A checkpoint whose weights cannot be sized; the message is one line."""
 
 

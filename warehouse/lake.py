@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 import duckdb
 
+from quantgate.catalog.errors import QuantgateError
+
 ALIAS = "quantgate"
 POSTGRES_PREFIX = "postgres:"
 # DuckLake 1.5.5 reads a table's statistics from its catalog each time these optimizers ask, about a dozen times
@@ -38,7 +40,7 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 _DUCKDB_MAGIC = b"DUCK"  # at byte 8 of a DuckDB database file
 
 
-class WarehouseError(RuntimeError):
+class WarehouseError(QuantgateError, RuntimeError):
     """A warehouse that cannot be opened, migrated or written; the message is one line."""
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from quantgate.catalog.errors import QuantgateError
 
-class EngineError(RuntimeError):
+
+class EngineError(QuantgateError, RuntimeError):
     """An engine that cannot load or run; the message is one line."""
 
 

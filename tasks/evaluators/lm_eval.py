@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import LOCAL_TASKS_DIR, LocalTask, SuiteSpec
 from quantgate.tasks import gpu_memory
 from quantgate.tasks.errors import one_line
@@ -40,7 +41,7 @@ Backend = Literal["hf", "vllm"]
 LOADED_POLL_S = 0.5
 
 
-class EvaluationError(RuntimeError):
+class EvaluationError(QuantgateError, RuntimeError):
     """An evaluation that could not run; the message is one line."""
 
 

@@ -23,6 +23,7 @@ from llmcompressor.recipe import Recipe
 from llmcompressor.sentinel import Sentinel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import VariantSpec
 from quantgate.tasks.records import CalibrationSamples
 
@@ -31,7 +32,7 @@ TARGETS = ["Linear"]
 CALIBRATION_TOKENS_PER_BATCH = 16_384
 
 
-class QuantizeError(RuntimeError):
+class QuantizeError(QuantgateError, RuntimeError):
     """A build that cannot work for this model and spec; the message is one line."""
 
 

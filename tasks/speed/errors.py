@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from quantgate.catalog.errors import QuantgateError
 
-class BenchmarkError(RuntimeError):
+
+class BenchmarkError(QuantgateError, RuntimeError):
     """A benchmark that cannot run as configured; the message is one line."""
 
 
-class ServingError(RuntimeError):
+class ServingError(QuantgateError, RuntimeError):
     """A server or benchmark run that cannot start or finish; the message is one line."""
 
