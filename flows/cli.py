@@ -136,16 +136,10 @@ def checks(
     threshold with its interval, and the full reason."""
     _check_format(fmt)
     with store.session(warehouse, read_only=True) as con:
+        run_id = run_id or store.latest_run(con, model)
         if run_id is None:
-            latest = store.rows(con, "SELECT run_id FROM latest_runs WHERE model_id = ?", [model])
-            if not latest:
-                raise typer.BadParameter(f"no finished run of {model!r} in the warehouse", param_hint="model")
-            run_id = latest[0]["run_id"]
-        found = store.rows(
-            con, "SELECT v.name AS variant, c.position, c.kind, c.name AS check, c.outcome, c.value, c.lower, c.upper,"
-                 " c.threshold, c.items, c.items_to_decide, c.note FROM decision_checks c JOIN variants v USING (variant_uid)"
-                 " WHERE c.run_id = ? AND (? IS NULL OR v.name = ?) ORDER BY v.name, c.position",
-            [run_id, variant, variant])
+            raise typer.BadParameter(f"no finished run of {model!r} in the warehouse", param_hint="model")
+        found = store.decision_checks(con, run_id, variant)
     if not found:
         raise typer.BadParameter(f"run {run_id} has no checks{f' for variant {variant!r}' if variant else ''}")
     if fmt != "table":
@@ -486,8 +480,9 @@ def main() -> None:
             raise
         msg = e.format_message() if hasattr(e, "format_message") else str(e)
         first = (msg.strip().splitlines() or [type(e).__name__])[0]
-        # quantgate's own failures (and a flow that ended Failed with one) are their message; anything else is named.
-        known = isinstance(e, (QuantgateError, FailedRun))
+        # quantgate's own failures, a flow that ended Failed with one and a refused argument are their message;
+        # anything else is named.
+        known = isinstance(e, (QuantgateError, FailedRun, typer.TyperException))
         err.print(f"error: {first}" if known else f"error: {type(e).__name__}: {first}", highlight=False)
         sys.exit(1)
 

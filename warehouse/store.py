@@ -480,6 +480,21 @@ def decision_evidence(con, run_id: str, gated: Sequence[tuple[str, str]]) -> Dec
                             paired_samples(con, run_id, list(gated)), view("variant_flips"), view("variant_serving"))
 
 
+def latest_run(con, model_id: str) -> str | None:
+    """The model's latest finished evaluate-model run."""
+    found = con.execute("SELECT run_id FROM latest_runs WHERE model_id = ?", [model_id]).fetchone()
+    return found[0] if found else None
+
+
+def decision_checks(con, run_id: str, variant: str | None = None) -> list[dict[str, Any]]:
+    """Every check behind a run's decisions (or one variant's), in the order the policy applied them."""
+    return rows(con, "SELECT v.name AS variant, c.position, c.kind, c.name AS check, c.outcome, c.value, c.lower,"
+                     " c.upper, c.threshold, c.items, c.items_to_decide, c.note"
+                     " FROM decision_checks c JOIN variants v USING (variant_uid)"
+                     " WHERE c.run_id = ? AND (? IS NULL OR v.name = ?) ORDER BY v.name, c.position",
+                [run_id, variant, variant])
+
+
 def stage_summary(con, run_id: str) -> list[dict[str, Any]]:
     """Seconds per stage of a run (from the first start to the last end of its items, which may overlap),
     the longest item, engine starts and how many items were reused, in the order the stages began."""
