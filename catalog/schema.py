@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import string
 from pathlib import Path
@@ -21,11 +20,11 @@ from pydantic import (
 )
 
 from quantgate.catalog.errors import QuantgateError
+from quantgate.catalog.settings import settings
 
 CATALOG_DIR = Path(__file__).resolve().parent
 DEFAULT_CATALOG = CATALOG_DIR / "models.yaml"
 LOCAL_TASKS_DIR = CATALOG_DIR / "lm_eval_tasks"
-EVAL_DATA_ENV = "QUANTGATE_EVAL_DATA"
 
 
 class CatalogError(QuantgateError, ValueError):
@@ -217,8 +216,8 @@ class VariantSpec(Strict):
 
 def eval_data_root() -> Path:
     """$QUANTGATE_EVAL_DATA, else ../shared/data/eval beside the checkout (the offline eval data)."""
-    env = os.environ.get(EVAL_DATA_ENV)
-    return Path(env).expanduser() if env else CATALOG_DIR.parents[1] / "shared" / "data" / "eval"
+    env = settings().eval_data
+    return env.expanduser() if env else CATALOG_DIR.parents[1] / "shared" / "data" / "eval"
 
 
 def default_kl_text() -> str:

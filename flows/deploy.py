@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from quantgate.catalog.errors import QuantgateError
+from quantgate.catalog.settings import settings
 
 REPO = Path(__file__).resolve().parents[1]
 POOLS = {"quantgate-cpu": "download, quantize and evaluate small models, decisions, warehouse writes",
@@ -25,7 +26,7 @@ def enter_checkout() -> dict[str, str]:
     """prefect.yaml's pull step, run by the worker before each flow run: work in the checkout named by
     $QUANTGATE_REPO on the worker's machine (read at run time, unlike a `{{ $VAR }}` template, which
     `prefect deploy` resolves on the deploying machine), else the checkout quantgate is installed from."""
-    directory = Path(os.environ.get(REPO_ENV) or REPO).expanduser().resolve()
+    directory = Path(settings().repo or REPO).expanduser().resolve()
     if not (directory / "flows").is_dir():
         raise DeployError(f"{directory}: not a quantgate checkout (set {REPO_ENV} on the worker)")
     os.chdir(directory)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 from prefect import get_run_logger, tags
 
 from quantgate.catalog.schema import Catalog, ModelSpec, ScenarioSpec
+from quantgate.catalog.settings import settings
 from quantgate.tasks import launch
 from quantgate.tasks.benchmark import benchmark_task, engine_sessions, run_scenarios
 from quantgate.tasks.records import SpeedResult, VariantArtifact
@@ -122,7 +122,7 @@ def measure(model_path: str, engine: str, scenarios: Sequence[tuple[str, Scenari
     point of its sweep, logs under log_dir). `in_flow` runs them as Prefect tasks of the flow run; a process
     of a lane calls the plain functions."""
     # Which GPUs the process that measured saw: a lane's one GPU, or all of this process's.
-    seen = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    seen = {"cuda_visible_devices": settings().cuda_visible_devices}
 
     def rows(results: Sequence[SpeedResult]) -> list[Measured]:
         return [(dataclasses.replace(r, details={**r.details, **seen}), []) for r in results]

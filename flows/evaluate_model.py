@@ -21,6 +21,7 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from quantgate.catalog.errors import QuantgateError
+from quantgate.catalog.settings import settings
 from quantgate.catalog.schema import (
     DEFAULT_CATALOG, CalibrationSpec, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model,
     load_catalog, with_revision,
@@ -255,7 +256,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # measure when the GPU is theirs alone (tasks/launch.GpuClock): the run waits for an engine start only where
     # nothing else is left to do. Elsewhere (a CPU, several lanes, a GPU pool) the benchmarks follow KL.
     early = starts_engines_early(setup, lanes, gpu_deployment)
-    with launch.gpu_clock(), launch.jobs(launch.ENGINES_PER_GPU if early else 1) as engine_pool:
+    with launch.gpu_clock(), launch.jobs(settings().engines_per_gpu if early else 1) as engine_pool:
         speed = _SpeedStage(run, plan, spec, cat, root, engines, remeasure, lanes, engine_pool if early else None)
         # The unmeasured phase, its jobs and KL, holds a share of the GPU from here to KL's end, so no measurement
         # slips into a gap between its jobs (on the H200, measurements that did kept KL waiting behind them).

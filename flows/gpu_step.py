@@ -10,7 +10,6 @@ benchmarks never share a GPU even when a worker starts two runs at once.
 
 from __future__ import annotations
 
-import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,14 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from quantgate.catalog.schema import scenario_from
+from quantgate.catalog.settings import settings
 from quantgate.flows.dispatch import SERVING_LOGS, measure
 from quantgate.warehouse import store
-
-SLOT_ENV = "QUANTGATE_GPU_SLOT"
 
 
 def slot_name() -> str:
     """This worker's GPU: $QUANTGATE_GPU_SLOT, else host and CUDA_VISIBLE_DEVICES."""
-    return os.environ.get(SLOT_ENV) or f"gpu:{platform.node()}:{os.environ.get('CUDA_VISIBLE_DEVICES', 'all')}"
+    return settings().gpu_slot or f"gpu:{platform.node()}:{settings().cuda_visible_devices or 'all'}"
 
 
 def ensure_limit(name: str, limit: int = 1) -> None:

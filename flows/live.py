@@ -20,12 +20,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from quantgate.catalog.settings import settings
 from quantgate.flows import progress
 
 
 def work_dir(explicit: str | None = None) -> Path:
     """Where checkpoints, caches and run logs are kept: `explicit`, else QUANTGATE_HOME, else ./.quantgate."""
-    return Path(explicit or os.environ.get("QUANTGATE_HOME", ".quantgate")).resolve()
+    return Path(explicit or settings().home).resolve()
 
 
 @dataclass

@@ -12,7 +12,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -23,6 +22,7 @@ from prefect import task
 
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import GgufParts, GgufSource, HubSource, LocalSource, ModelSpec
+from quantgate.catalog.settings import settings
 from quantgate.tasks import faults, gguf_parts
 from quantgate.tasks.files import write_atomic
 from quantgate.tasks.records import ModelArtifact
@@ -77,7 +77,7 @@ def fetch_model(
 def _offline_from_env() -> bool:
     from huggingface_hub import constants
 
-    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    env = settings().hf_hub_offline or settings().transformers_offline or ""
     return constants.HF_HUB_OFFLINE or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
@@ -117,8 +117,8 @@ def hub_token() -> str | None:
     """The hub token: HF_TOKEN from the environment (huggingface_hub's own lookup: None here), else the
     Prefect Secret block named by $QUANTGATE_HF_TOKEN_SECRET. It is handed to huggingface_hub only, never
     logged, stored or put into a message."""
-    name = os.environ.get(TOKEN_SECRET_ENV)
-    if os.environ.get("HF_TOKEN") or not name:
+    name = settings().hf_token_secret
+    if settings().hf_token or not name:
         return None
     from prefect.blocks.system import Secret
 

@@ -11,7 +11,6 @@ names, sent as a Bearer token, and scrubbed from anything returned; it is never 
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 import urllib.error
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantgate.catalog.schema import EndpointSpec, ScenarioSpec, ServingScenario
+from quantgate.catalog.settings import secret
 from quantgate.tasks.records import SpeedResult
 from quantgate.tasks.speed.client import ServingLoad
 from quantgate.tasks.speed.errors import ServingError
@@ -65,7 +65,7 @@ class Target:
     def api_key(self) -> str | None:
         if not self.api_key_env:
             return None
-        key = os.environ.get(self.api_key_env)
+        key = secret(self.api_key_env)
         if not key:
             raise ServingError(f"environment variable {self.api_key_env} (the API key) is not set or empty")
         return key

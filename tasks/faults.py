@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 
-ENV = "QUANTGATE_FAULT"
-PAUSED_ENV = "QUANTGATE_FAULT_PAUSED"
+from quantgate.catalog.settings import settings
+
 _hits: dict[str, int] = {}
 _lock = threading.Lock()
 
@@ -35,7 +35,7 @@ def _targets(spec: str) -> dict[str, tuple[int, str]]:
 
 def point(name: str) -> None:
     """Die here (SIGKILL, no cleanup, no finally blocks), or wait for a signal, if QUANTGATE_FAULT asks for this point now."""
-    spec = os.environ.get(ENV)
+    spec = settings().fault
     if not spec:
         return
     target = _targets(spec).get(name)
@@ -56,7 +56,7 @@ def point(name: str) -> None:
 
 def _pause(label: str) -> None:
     print(f"quantgate fault injection: paused at {label} (pid {os.getpid()})", file=sys.stderr, flush=True)
-    if path := os.environ.get(PAUSED_ENV):
+    if path := settings().fault_paused:
         with open(path, "a") as f:
             f.write(f"{label} {os.getpid()}\n")
     while True:  # a signal handler's exception, or the signal's default action, ends the wait

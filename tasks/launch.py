@@ -27,20 +27,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from quantgate.catalog.errors import QuantgateError
+from quantgate.catalog.settings import settings
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.telemetry import device_memory
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-# How many unmeasured jobs may share one GPU at a time. A 1.5B model takes a few GB of an H200's 141: builds
-# peaked at 1-7 GiB on it, and each lm-eval engine is given a fixed 8 GiB KV cache (tasks/evaluators/lm_eval.py).
-# Six (a base and five variants, each built and evaluated at once) fit beside the engines waiting to measure;
-# with four, the last two builds waited for a slot and were the run's critical path (results/h200/reference3).
-SHARED_JOBS_PER_GPU = int(os.environ.get("QUANTGATE_SHARED_JOBS_PER_GPU", "6"))
-# How many speed jobs may have their engine loaded on one GPU at a time, waiting their turn to measure alone. Each
-# takes a KV cache sized to its scenarios' load (tasks/speed/options.sized_kv_cache): for a 1.5B model 1-14 GB.
-ENGINES_PER_GPU = int(os.environ.get("QUANTGATE_ENGINES_PER_GPU", "12"))
 # An engine's start beside other work leaves this share of the GPU's memory free for the unmeasured work that starts
 # after it: an lm-eval engine asks vLLM for 0.12 of the GPU free at its start (tasks/evaluators/lm_eval.py), a build
 # a few GiB. Without it the engines loaded early took the GPU to 7 GiB free, and later starts failed vLLM's
@@ -59,7 +52,7 @@ class LaunchError(QuantgateError, RuntimeError):
 def lanes_from(gpus: str | None) -> list[str | None]:
     """The lanes to run measured work on: the GPU ids given ("0,1"), else those CUDA_VISIBLE_DEVICES shows
     when it shows several, else one lane in this process's own view (None)."""
-    ids = gpus if gpus is not None else os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = gpus if gpus is not None else settings().cuda_visible_devices or ""
     found = [g.strip() for g in ids.split(",") if g.strip()]
     if gpus is None and len(found) < 2:
         return [None]
@@ -68,7 +61,7 @@ def lanes_from(gpus: str | None) -> list[str | None]:
 
 def shared_slots(lanes: Sequence[str | None], on_gpu: bool) -> int:
     """Unmeasured jobs at a time: a few per GPU; one on a CPU, whose cores one job already keeps busy."""
-    return max(1, SHARED_JOBS_PER_GPU * len(lanes)) if on_gpu else 1
+    return max(1, settings().shared_jobs_per_gpu * len(lanes)) if on_gpu else 1
 
 
 # An engine's start shares the machine with the builds and evaluations the run waits for: at a lower CPU priority
@@ -347,15 +340,15 @@ def on_gpus(gpus: str | None, timeout_s: float | None, fn: Callable[..., T], *ar
     # Not a daemon: the engines it runs start processes of their own.
     proc = ctx.Process(target=_answer, args=(sender, fn, args), name=f"quantgate-{where.replace(' ', '')}")
     with _SPAWNING:
-        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        before = os.environ.pop("CUDA_VISIBLE_DEVICES", None) if gpus is not None else None
         if gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = gpus
         try:
             proc.start()
         finally:
-            if before is None:
+            if gpus is not None and before is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
+            elif gpus is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = before
         _RUNNING.add(proc)
     sender.close()

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from quantgate.catalog.settings import settings
+
 
 DEVICE_INTERVAL_S = 0.01
 GROUP_INTERVAL_S = 0.5
@@ -294,7 +296,7 @@ def host_cpu_mhz() -> float | None:
 
 def _visible_device(pynvml: Any) -> Any:
     # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES says which one CUDA calls device 0.
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    first = (settings().cuda_visible_devices or "0").split(",")[0].strip() or "0"
     if first.isdigit():
         return pynvml.nvmlDeviceGetHandleByIndex(int(first))
     return pynvml.nvmlDeviceGetHandleByUUID(first)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from quantgate.catalog import settings
 from tests.shared_data import TINY_MODEL
 
 # Hubs are unreachable here; make every library fail fast instead of retrying the network.
@@ -20,6 +21,25 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 if (gpus := os.environ.get("QUANTGATE_TEST_GPUS")) and (worker := os.environ.get("PYTEST_XDIST_WORKER")):
     ids = gpus.split(",")
     os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(worker.removeprefix("gw")) % len(ids)]
+
+
+def _then_read_again(method):
+    def changed(self, *args, **kwargs):
+        method(self, *args, **kwargs)
+        settings.settings.cache_clear()
+
+    return changed
+
+
+# quantgate reads its settings from the environment once per process (catalog/settings.py); tests change the
+# environment through monkeypatch between and within tests, so the next read after each change, or its undo, is new.
+for _method in ("setenv", "delenv", "undo"):
+    setattr(pytest.MonkeyPatch, _method, _then_read_again(getattr(pytest.MonkeyPatch, _method)))
+
+
+@pytest.fixture(autouse=True)
+def _settings_read_anew_for_each_test():
+    settings.settings.cache_clear()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
+from quantgate.catalog.settings import settings
 from quantgate.tasks.records import (
     Decision,
     MetricResult,
@@ -38,19 +39,18 @@ DATA_ENV_VAR = "QUANTGATE_WAREHOUSE_DATA"
 DEFAULT_PATH = "quantgate.ducklake"
 # How long a writer waits for the write lock before giving up with a one-line error.
 LOCK_WAIT_ENV = "QUANTGATE_LOCK_WAIT_S"
-DEFAULT_LOCK_WAIT_S = 60.0
 
 __all__ = ["WarehouseError"]
 
 
 def default_path() -> str:
-    return os.environ.get(ENV_VAR, DEFAULT_PATH)
+    return settings().warehouse
 
 
 def address(location: str | Path | None = None) -> lake.Address:
     """The warehouse named by `location`, else by $QUANTGATE_WAREHOUSE, else ./quantgate.ducklake; the data path
     of a new one from $QUANTGATE_WAREHOUSE_DATA."""
-    return lake.address(location or default_path(), os.environ.get(DATA_ENV_VAR) or None)
+    return lake.address(location or default_path(), settings().warehouse_data or None)
 
 
 def now() -> datetime:
@@ -72,11 +72,7 @@ def _checksum(sql: str) -> str:
 
 
 def _lock_wait_s() -> float:
-    raw = os.environ.get(LOCK_WAIT_ENV)
-    try:
-        return float(raw) if raw else DEFAULT_LOCK_WAIT_S
-    except ValueError:
-        raise WarehouseError(f"{LOCK_WAIT_ENV}={raw!r}: expected a number of seconds") from None
+    return settings().lock_wait_s
 
 
 class _Lake:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import bz2
 import csv
 import json
-import os
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict
@@ -19,8 +18,9 @@ DATA_ENV = "QUANTGATE_EVAL_DATA"
 
 
 def data_root() -> Path:
-    env = os.environ.get(DATA_ENV)
-    return Path(env).expanduser() if env else Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eval"
+    from quantgate.catalog.schema import eval_data_root
+
+    return eval_data_root()
 
 
 def _file(*parts: str) -> Path:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
+from quantgate.catalog.settings import settings
 from quantgate.tasks.engines.base import Engine, EngineError, EngineOptions, Generation, RequestTiming
 
 ENGINES: dict[str, str] = {
@@ -22,7 +22,7 @@ __all__ = [
 def cuda_available() -> bool:
     """torch.cuda.is_available(), without importing torch (seconds) where NVML finds no GPU: a machine without
     the NVIDIA driver, which CUDA needs too, or one whose CUDA_VISIBLE_DEVICES hides every GPU."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+    if (settings().cuda_visible_devices or "unset").strip() in ("", "-1"):
         return False
     try:
         import pynvml

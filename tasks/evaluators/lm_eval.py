@@ -25,6 +25,7 @@ import yaml
 
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.schema import LOCAL_TASKS_DIR, LocalTask, SuiteSpec
+from quantgate.catalog.settings import settings
 from quantgate.tasks import gpu_memory
 from quantgate.tasks.errors import one_line
 from quantgate.tasks.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
@@ -33,7 +34,6 @@ from quantgate.tasks.telemetry import vllm_start_check_bytes
 log = logging.getLogger(__name__)
 
 EVALUATOR = "lm-eval"
-DATA_ENV = "QUANTGATE_EVAL_DATA"  # read by catalog/lm_eval_tasks/utils.py inside the evaluation process
 PROMPT_CHARS = 8000  # of each example prompt kept in the eval config
 BOOTSTRAP_ITERS = 1000  # lm-eval's default (100,000) makes bootstrapped stderrs (bleu, ...) take minutes
 
@@ -91,7 +91,7 @@ def run_config(
         "num_fewshot": suite.num_fewshot,
         "tasks": [t.model_dump() for t in suite.tasks],
         "bootstrap_iters": BOOTSTRAP_ITERS,
-        "eval_data": os.environ.get(DATA_ENV),
+        "eval_data": str(settings().eval_data) if settings().eval_data else None,
         "lm_eval": version("lm_eval"),
     }
 

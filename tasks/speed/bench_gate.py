@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any
 
+from quantgate.catalog.settings import settings
 from quantgate.tasks.telemetry import PassClocks
 
 GATE_ENV = "QUANTGATE_BENCH_GATE"
@@ -72,8 +73,9 @@ def gate_generate(ready_fd: int, go_fd: int, timed_call: int, passes: int, times
 
 
 def main() -> None:
-    # Popped, so that the engine core and workers the bench spawns do not see it.
-    if gate := os.environ.pop(GATE_ENV, None):
+    # Removed, so that the engine core and workers the bench spawns do not see it.
+    if gate := settings().bench_gate:
+        os.environ.pop(GATE_ENV, None)
         ready_fd, go_fd, timed_call, passes, times_file = gate.split(",", 4)
         gate_generate(int(ready_fd), int(go_fd), int(timed_call), int(passes), times_file)
     from vllm.entrypoints.cli.main import main as vllm_main

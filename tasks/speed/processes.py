@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from quantgate.catalog.settings import settings
 from quantgate.tasks.speed.vllm_cli import QUIET_ENV
 
 
@@ -32,11 +33,10 @@ def spawn_session(cmd: Sequence[str], log: Path, env: dict[str, str] | None, app
 
 # A file to which every session this module starts appends its id (= the leader's pid), so that a
 # wrapper that must stop a run abruptly can still end those sessions by id (benchmarks/gpu/run_suite.sh).
-PIDFILE_ENV = "QUANTGATE_PIDFILE"
 
 
 def _note_session(pid: int) -> None:
-    if path := os.environ.get(PIDFILE_ENV):
+    if path := settings().pidfile:
         with open(path, "a") as f:
             f.write(f"{pid}\n")
 
