@@ -21,14 +21,14 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from quantgate.catalog.errors import QuantgateError
-from quantgate.catalog.settings import settings
 from quantgate.catalog.schema import (
     DEFAULT_CATALOG, CalibrationSpec, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model,
     load_catalog, with_revision,
 )
+from quantgate.catalog.settings import settings
 from quantgate.flows import dispatch, interrupts, progress
-from quantgate.flows.live import work_dir
 from quantgate.flows.inputs import model_inputs
+from quantgate.flows.live import work_dir
 from quantgate.flows.speed_plan import SpeedPlan
 from quantgate.tasks import faults, gpu_memory, launch
 from quantgate.tasks.caching import build_cached, check_calibration_cached, download_cached

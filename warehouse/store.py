@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from quantgate.catalog.settings import settings
+from quantgate.catalog.settings import Settings, settings
 from quantgate.tasks.records import (
     Decision,
     MetricResult,
@@ -36,7 +36,7 @@ MIGRATIONS = HERE / "migrations"
 VIEWS = HERE / "views"
 ENV_VAR = "QUANTGATE_WAREHOUSE"
 DATA_ENV_VAR = "QUANTGATE_WAREHOUSE_DATA"
-DEFAULT_PATH = "quantgate.ducklake"
+DEFAULT_PATH: str = Settings.model_fields["warehouse"].default
 # How long a writer waits for the write lock before giving up with a one-line error.
 LOCK_WAIT_ENV = "QUANTGATE_LOCK_WAIT_S"
 
