@@ -104,7 +104,7 @@ def test_every_suite_has_long_context_sized_for_its_models():
     cat = load_catalog()
     sizes = {name: next((t.metadata.get("context_words", 150) for t in s.tasks if t.name == "qg_passkey"), None)
              for name, s in cat.suites.items()}
-    assert sizes == {"offline-small": 500, "offline-tiny": 150, "offline-full": 6000, "standard": 6000,
+    assert sizes == {"offline-small": 400, "offline-tiny": 150, "offline-full": 6000, "standard": 6000,
                      "gpu-reference": 6000}
     gates = {(g.task, g.required) for g in cat.policy.quality}
     assert ("qg_passkey", False) in gates
