@@ -24,10 +24,10 @@ def full_collection_ms(times: int = 7) -> float:
 
 
 def main() -> None:
-    import quantgate.tasks.benchmark  # noqa: F401 - the measuring process's imports
-    from quantgate.catalog.schema import OfflineScenario
-    from quantgate.tasks.speed.prompts import make_prompt_sets
-    from quantgate.tasks.launch import freeze_heap
+    import quantgate.tasks.steps.benchmark  # noqa: F401 - the measuring process's imports
+    from quantgate.catalog.scenarios import OfflineScenario
+    from quantgate.tasks.adapters.speed.prompts import make_prompt_sets
+    from quantgate.tasks.runtime.launch import freeze_heap
 
     tokenizer = sys.argv[1] if len(sys.argv) > 1 else str(
         Path(__file__).resolve().parents[1].parent / "shared" / "data" / "models" / "stories260k-i256")

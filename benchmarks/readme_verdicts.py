@@ -21,7 +21,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.summarize import load  # noqa: E402
-from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, PublishedFigure, load_catalog  # noqa: E402
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.models import PublishedFigure
+from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.warehouse import store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -34,12 +34,12 @@ class Settings(BaseSettings):
     eval_data: Path | None = None
     # How many unmeasured jobs (builds, evaluations, KL) may share one GPU at a time. A 1.5B model takes a few GB
     # of an H200's 141: builds peaked at 1-7 GiB on it, and each lm-eval engine is given a fixed 8 GiB KV cache
-    # (tasks/evaluators/lm_eval.py). Six (a base and five variants, each built and evaluated at once) fit beside
-    # the engines waiting to measure; with four, the last two builds waited for a slot and were the run's critical
-    # path (results/h200/reference3).
+    # (tasks/adapters/evaluators/lm_eval.py). Six (a base and five variants, each built and evaluated at once) fit
+    # beside the engines waiting to measure; with four, the last two builds waited for a slot and were the run's
+    # critical path (results/h200/reference3).
     shared_jobs_per_gpu: int = 6
     # How many speed jobs may have their engine loaded on one GPU at a time, waiting their turn to measure alone.
-    # Each takes a KV cache sized to its scenarios' load (tasks/speed/options.sized_kv_cache): for a 1.5B model
+    # Each takes a KV cache sized to its scenarios' load (tasks/adapters/speed/options.sized_kv_cache): for a 1.5B model
     # 1-14 GB.
     engines_per_gpu: int = 12
     # The Prefect Secret block that holds a hub token when HF_TOKEN is not set.

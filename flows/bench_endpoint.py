@@ -19,9 +19,12 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, CatalogError, ScenarioSpec, load_catalog
-from quantgate.tasks.endpoint import ENGINE, Target, bench_endpoint
-from quantgate.tasks.records import SpeedResult, VariantArtifact
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.paths import DEFAULT_CATALOG
+from quantgate.catalog.records import SpeedResult, VariantArtifact
+from quantgate.catalog.scenarios import ScenarioSpec
+from quantgate.tasks.adapters.endpoint import ENGINE, Target, bench_endpoint
 from quantgate.warehouse import store
 
 FLOW_NAME = "bench-endpoint"

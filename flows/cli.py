@@ -19,7 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from quantgate.catalog.errors import QuantgateError
-from quantgate.catalog.schema import DEFAULT_CATALOG, adhoc_model, load_catalog, resolve_variants
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.paths import DEFAULT_CATALOG
+from quantgate.catalog.selection import adhoc_model, resolve_variants
 from quantgate.flows import interrupts
 from quantgate.warehouse import store
 

@@ -20,14 +20,15 @@ from typing import Any
 
 from prefect import get_run_logger, tags
 
-from quantgate.catalog.schema import Catalog, ModelSpec, ScenarioSpec
+from quantgate.catalog.load import Catalog
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.records import ServingLoad, SpeedResult, VariantArtifact
+from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.catalog.settings import settings
-from quantgate.tasks import launch
-from quantgate.tasks.benchmark import benchmark_task, engine_sessions, run_scenarios
-from quantgate.tasks.records import SpeedResult, VariantArtifact
-from quantgate.tasks.speed.bench import bench_scenario, bench_task
-from quantgate.tasks.speed.client import ServingLoad
-from quantgate.tasks.speed.sweep import serve_variant, serving_task
+from quantgate.tasks.adapters.speed.bench import bench_scenario, bench_task
+from quantgate.tasks.adapters.speed.sweep import serve_variant, serving_task
+from quantgate.tasks.runtime import launch
+from quantgate.tasks.steps.benchmark import benchmark_task, engine_sessions, run_scenarios
 from quantgate.warehouse import store
 
 SERVING_LOGS = "serving-logs"
@@ -95,7 +96,7 @@ class JobResult:
 def speed_jobs(variant: VariantArtifact, scenarios: Sequence[tuple[str, ScenarioSpec]],
                engines: Sequence[str] | None = None) -> list[SpeedJob]:
     """A checkpoint's scenarios as engine starts: per engine, one job for each distinct engine option set
-    (tasks/benchmark.engine_sessions), and one per serving scenario; a variant leaves out the base-only
+    (tasks/steps/benchmark.engine_sessions), and one per serving scenario; a variant leaves out the base-only
     scenarios and engines."""
     base = variant.method == "base"
     if not base:
@@ -153,7 +154,7 @@ class Measurements:
     checkpoint's jobs are in (nothing is written to the warehouse here).
 
     `start(v)` runs a checkpoint's jobs now, side by side in `pool` (one GPU: each engine loads beside whatever
-    else shares the GPU and measures once it has it alone, tasks/launch.measuring); `run(variants)` takes the
+    else shares the GPU and measures once it has it alone, tasks/runtime/launch.measuring); `run(variants)` takes the
     rest, each variant's scenarios as speed jobs (one engine start each: `speed_jobs`) in `lanes` (GPU ids: one
     job per GPU at a time, in a process that sees only that GPU; None: this process's view), so that two
     measurements never share a GPU, or, with `gpu_deployment`, as runs of that deployment, and waits for all."""

@@ -20,28 +20,28 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from quantgate.catalog.errors import QuantgateError
-from quantgate.catalog.schema import (
-    DEFAULT_CATALOG, CalibrationSpec, Catalog, CatalogError, ModelSpec, SuiteSpec, VariantSpec, adhoc_model,
-    load_catalog, with_revision,
-)
+from quantgate.catalog.errors import CatalogError, QuantgateError, one_line
+from quantgate.catalog.load import Catalog, load_catalog
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.paths import DEFAULT_CATALOG
+from quantgate.catalog.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
+from quantgate.catalog.selection import adhoc_model, with_revision
 from quantgate.catalog.settings import settings
+from quantgate.catalog.suites import SuiteSpec
+from quantgate.catalog.variants import CalibrationSpec, VariantSpec
 from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.flows.live import work_dir
 from quantgate.flows.speed_plan import SpeedPlan
-from quantgate.tasks import faults, gpu_memory, launch
-from quantgate.tasks.caching import build_cached, check_calibration_cached, download_cached
-from quantgate.tasks.calibration import CalibrationError
-from quantgate.tasks.decide import decide_task
-from quantgate.tasks.divergence import DivergenceError, kl_eval_key, kl_reports_task
-from quantgate.tasks.download import DownloadError
-from quantgate.tasks.errors import one_line
-from quantgate.tasks.evaluate import eval_key, evaluate_task, start_memory_bytes
-from quantgate.tasks.quantize import base_variant, lib_versions, variant_from_row
-from quantgate.tasks.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
+from quantgate.tasks.runtime import faults, gpu_memory, launch
+from quantgate.tasks.steps.caching import build_cached, check_calibration_cached, download_cached
+from quantgate.tasks.steps.calibration import CalibrationError
+from quantgate.tasks.steps.decide import decide_task
+from quantgate.tasks.steps.divergence import DivergenceError, kl_eval_key, kl_reports_task
+from quantgate.tasks.steps.download import DownloadError
+from quantgate.tasks.steps.evaluate import eval_key, evaluate_task, start_memory_bytes
+from quantgate.tasks.steps.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.warehouse import store
-
 
 T = TypeVar("T")
 
@@ -253,7 +253,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # The base first: on a CPU (one job at a time) a base whose outputs are not finite stops the run before any
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
     # On one GPU each checkpoint's engines start as soon as it is built, beside the builds and evaluations, and
-    # measure when the GPU is theirs alone (tasks/launch.GpuClock): the run waits for an engine start only where
+    # measure when the GPU is theirs alone (tasks/runtime/launch.GpuClock): the run waits for an engine start only where
     # nothing else is left to do. Elsewhere (a CPU, several lanes, a GPU pool) the benchmarks follow KL.
     early = starts_engines_early(setup, lanes, gpu_deployment)
     with launch.gpu_clock(), launch.jobs(settings().engines_per_gpu if early else 1) as engine_pool:
@@ -516,7 +516,7 @@ def _eval_setup(load_time: bool = False) -> EvalSetup:
     base and a variant under the same evaluation config."""
     import importlib.util
 
-    from quantgate.tasks.engines import cuda_available
+    from quantgate.tasks.adapters.engines import cuda_available
 
     if not cuda_available():
         return EvalSetup("hf", "cpu", "float32")

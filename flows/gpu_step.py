@@ -17,7 +17,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from quantgate.catalog.schema import scenario_from
+from quantgate.catalog.scenarios import scenario_from
 from quantgate.catalog.settings import settings
 from quantgate.flows.dispatch import SERVING_LOGS, measure
 from quantgate.warehouse import store

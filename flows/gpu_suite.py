@@ -32,20 +32,20 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from quantgate.catalog.errors import QuantgateError
-from quantgate.catalog.schema import (
-    CATALOG_DIR, DEFAULT_CATALOG, GpuSuiteSpec, ScenarioSpec, SuiteStep, load_catalog, load_gpu_suite,
-)
-from quantgate.tasks import engines, launch
-from quantgate.tasks.benchmark import engine_sessions, run_scenarios
-from quantgate.tasks.dummy_weights import SHAPES, layout, write_dummy_checkpoint
-from quantgate.tasks.errors import one_line
-from quantgate.tasks.launch import in_lanes
-from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
-from quantgate.tasks.speed.bench import bench_scenario
-from quantgate.tasks.speed.client import ServingLoad
-from quantgate.tasks.speed.options import resolve_device
-from quantgate.tasks.speed.sweep import serve_variant
+from quantgate.catalog.errors import QuantgateError, one_line
+from quantgate.catalog.gpu_suite import GpuSuiteSpec, SuiteStep, load_gpu_suite
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.paths import CATALOG_DIR, DEFAULT_CATALOG
+from quantgate.catalog.records import ModelArtifact, ServingLoad, SpeedResult, VariantArtifact
+from quantgate.catalog.scenarios import ScenarioSpec
+from quantgate.tasks.adapters import engines
+from quantgate.tasks.adapters.speed.bench import bench_scenario
+from quantgate.tasks.adapters.speed.options import resolve_device
+from quantgate.tasks.adapters.speed.sweep import serve_variant
+from quantgate.tasks.runtime import launch
+from quantgate.tasks.runtime.launch import in_lanes
+from quantgate.tasks.steps.benchmark import engine_sessions, run_scenarios
+from quantgate.tasks.adapters.dummy_weights import SHAPES, layout, write_dummy_checkpoint
 from quantgate.warehouse import store
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
@@ -99,7 +99,7 @@ def run_steps(
     when it gets skip(index, step, reason) instead. An exception from a step is its failure.
 
     With several lanes (GPUs), each lane takes the next step nobody has started, so steps run side by side,
-    one per lane (tasks/launch.in_lanes); steps that need every lane (`wide`, e.g. tensor parallel) run after
+    one per lane (tasks/runtime/launch.in_lanes); steps that need every lane (`wide`, e.g. tensor parallel) run after
     the others, alone, with lane None. An interrupt (SIGINT) lets no lane start another step and calls
     `interrupt` to end the running ones, so that they are recorded before it goes on."""
     outcomes: dict[int, StepOutcome] = {}
@@ -240,7 +240,7 @@ def suite_prices(spec: GpuSuiteSpec, spec_hash: str) -> tuple[dict[str, float], 
 
 
 def check_steps(spec: GpuSuiteSpec) -> None:
-    """Every engine step's scenarios must form one engine session (tasks/benchmark.engine_sessions), since
+    """Every engine step's scenarios must form one engine session (tasks/steps/benchmark.engine_sessions), since
     they share one start."""
     for i, step in enumerate(spec.steps):
         if step.engine not in ("transformers", "vllm"):

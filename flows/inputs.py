@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from quantgate.catalog.errors import QuantgateError
-from quantgate.catalog.schema import Catalog, GgufSource, HubSource, LocalSource, ModelSpec
-from quantgate.tasks import download
+from quantgate.catalog.load import Catalog
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.sources import GgufSource, HubSource, LocalSource
+from quantgate.tasks.steps import download
 
 INPUT_LIBS = ("quantgate", "llmcompressor", "compressed-tensors", "transformers", "lm_eval", "torch", "bitsandbytes")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")

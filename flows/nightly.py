@@ -20,7 +20,8 @@ from prefect import flow, get_run_logger, tags
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, load_catalog
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.flows import dispatch
 from quantgate.flows.inputs import ShaUnavailable, current_sha, model_inputs
 from quantgate.warehouse import store

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, adhoc_model, load_catalog
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.paths import DEFAULT_CATALOG
+from quantgate.catalog.records import ModelArtifact
+from quantgate.catalog.selection import adhoc_model
 from quantgate.flows.live import work_dir
-from quantgate.tasks.caching import download_cached
-from quantgate.tasks.records import ModelArtifact
+from quantgate.tasks.steps.caching import download_cached
 
 
 @flow(name="pull-model")

@@ -1,6 +1,6 @@
 """Which checkpoint's speed is measured for which.
 
-A checkpoint's speed key is what its speed rows depend on: its format (tasks/speed/checkpoint.speed_format: the
+A checkpoint's speed key is what its speed rows depend on: its format (tasks/adapters/speed/checkpoint.speed_format: the
 same config, quantization layout and tensor shapes run the same kernels on the same shapes), the scenarios and
 engines, the libraries and the device. One checkpoint per key is measured (the first one ready: on one GPU its
 engines can start while the others still build) and the rest of the key take its rows; a key measured by an
@@ -14,10 +14,11 @@ import json
 import threading
 from collections.abc import Sequence
 
-from quantgate.catalog.schema import Catalog, ModelSpec
-from quantgate.tasks.benchmark import speed_environment
-from quantgate.tasks.records import VariantArtifact
-from quantgate.tasks.speed.checkpoint import speed_format
+from quantgate.catalog.load import Catalog
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.records import VariantArtifact
+from quantgate.tasks.adapters.speed.checkpoint import speed_format
+from quantgate.tasks.steps.benchmark import speed_environment
 
 
 class SpeedPlan:

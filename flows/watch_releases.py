@@ -24,8 +24,10 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from quantgate.catalog.errors import QuantgateError
-from quantgate.catalog.schema import DEFAULT_CATALOG, Catalog, CatalogError, WatchSpec, load_catalog
+from quantgate.catalog.deployment import WatchSpec
+from quantgate.catalog.errors import CatalogError, QuantgateError
+from quantgate.catalog.load import Catalog, load_catalog
+from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.flows import dispatch
 from quantgate.warehouse import store
 

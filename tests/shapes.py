@@ -1,4 +1,4 @@
-"""Small Qwen2 shapes for dummy checkpoints in tests: overrides of tasks/dummy_weights' Qwen2.5-7B-Instruct."""
+"""Small Qwen2 shapes for dummy checkpoints in tests: overrides of tasks/adapters/dummy_weights' Qwen2.5-7B-Instruct."""
 
 # CPU tests: tiny, quick to write and to run.
 TINY_QWEN = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -18,12 +17,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import duckdb
 import pytest
 
 from quantgate.flows import cli
 from quantgate.warehouse import store
-from tests.cli_runs import CLI, checksums, copy_warehouse, error_lines, run_cli, tables
+from tests.cli_runs import checksums, copy_warehouse, error_lines, run_cli, tables
 from tests.shared_data import SHARED, TINY_MODEL
 from tests.test_download import FakeHub, online, use_endpoint  # noqa: F401 - `online` is a fixture
 from tests.test_warehouse import seed_run

@@ -1,4 +1,5 @@
-"""`vllm bench throughput` through its gate (tasks/speed/bench_gate.py): started, held at its first pass, let go.
+"""`vllm bench throughput` through its gate (tasks/adapters/speed/bench_gate.py): started, held at its first
+pass, let go.
 
 vLLM cannot run here (no GPU), so a stand-in `vllm` package, first on the bench's PYTHONPATH, plays the parts the
 gate touches: `vllm.LLM` (its load and `generate`, a pass of PASS_S seconds, each recorded with the time) and vLLM's
@@ -22,15 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.catalog.schema import scenario_from
-from quantgate.tasks import launch
-from quantgate.tasks.engines import EngineOptions
-from quantgate.tasks.records import SpeedResult
-from quantgate.tasks.speed import bench as bench_module
-from quantgate.tasks.speed.bench import bench_scenario, start_bench, vllm_bench_throughput
-from quantgate.tasks.speed.bench_gate import GATE_ENV
-from quantgate.tasks.speed.errors import ServingError
-from quantgate.tasks.speed.processes import group_alive
+from quantgate.catalog.records import SpeedResult
+from quantgate.catalog.scenarios import scenario_from
+from quantgate.tasks.adapters.engines import EngineOptions
+from quantgate.tasks.adapters.speed import bench as bench_module
+from quantgate.tasks.adapters.speed.bench import bench_scenario, start_bench, vllm_bench_throughput
+from quantgate.tasks.adapters.speed.bench_gate import GATE_ENV
+from quantgate.tasks.adapters.speed.errors import ServingError
+from quantgate.tasks.adapters.speed.processes import group_alive
+from quantgate.tasks.runtime import launch
 
 PASS_S = 0.1
 _LLM = textwrap.dedent(
@@ -129,7 +130,7 @@ def test_the_bench_waits_at_its_first_pass_until_told_to_go_and_repeats_its_time
     assert res["elapsed_s"] >= sum(r["wall_s"] for r in reps)
     assert res["own_mean_output_tokens_per_s"] == pytest.approx(3 * 10 * 16 / res["elapsed_s"], rel=1e-3)
     cmd = res["command"]
-    assert cmd[:3] == [sys.executable, "-m", "quantgate.tasks.speed.bench_gate"]
+    assert cmd[:3] == [sys.executable, "-m", "quantgate.tasks.adapters.speed.bench_gate"]
     assert cmd[3:5] == ["bench", "throughput"] and cmd[cmd.index("--random-range-ratio") + 1] == "0"
 
 

@@ -6,14 +6,14 @@ import shutil
 import statistics
 
 import pytest
-from tests.shared_data import TINY_MODEL
 import torch
 
-from quantgate.catalog.schema import LatencyScenario, OfflineScenario
-from quantgate.tasks.benchmark import run_scenario
-from quantgate.tasks.speed.errors import BenchmarkError
-from quantgate.tasks.speed.prompts import make_prompt_sets, make_prompts
-from quantgate.tasks.engines import EngineError, EngineOptions, create
+from quantgate.catalog.scenarios import LatencyScenario, OfflineScenario
+from quantgate.tasks.adapters.engines import EngineError, EngineOptions, create
+from quantgate.tasks.adapters.speed.errors import BenchmarkError
+from quantgate.tasks.adapters.speed.prompts import make_prompt_sets, make_prompts
+from quantgate.tasks.steps.benchmark import run_scenario
+from tests.shared_data import TINY_MODEL
 
 TINY = TINY_MODEL
 SMALL = OfflineScenario(num_prompts=4, input_len=16, output_len=8, batch_size=4, warmup=1, repetitions=3, device="cpu")

@@ -17,14 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.shared_data import SHARED
 
-from quantgate.catalog.schema import CatalogError, VariantSpec, load_catalog
-from quantgate.tasks import loadtime, quantize
-from quantgate.tasks.decide import decide
-from quantgate.tasks.divergence import kl_divergence
-from quantgate.tasks.records import ModelArtifact
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.records import ModelArtifact
+from quantgate.catalog.variants import VariantSpec
+from quantgate.tasks.adapters import loadtime
+from quantgate.tasks.steps import quantize
+from quantgate.tasks.steps.decide import decide
+from quantgate.tasks.steps.divergence import kl_divergence
 from quantgate.warehouse import store
+from tests.shared_data import SHARED
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
 
@@ -155,9 +158,9 @@ SKIP_CHILD = """
 import json, sys
 sys.modules["bitsandbytes"] = None  # `import bitsandbytes` now raises ImportError, as where it is not installed
 from dataclasses import asdict
-from quantgate.catalog.schema import VariantSpec
+from quantgate.catalog.variants import VariantSpec
 from quantgate.tasks import quantize
-from quantgate.tasks.records import ModelArtifact
+from quantgate.catalog.records import ModelArtifact
 model = ModelArtifact("stories260k", sys.argv[1], "local", None, "0" * 64)
 v = quantize.build_variant(model, VariantSpec(name="bnb-nf4", method="bnb", scheme="nf4"), None, sys.argv[2])
 print(json.dumps(asdict(v)))
@@ -168,7 +171,7 @@ def test_without_bitsandbytes_the_variant_is_skipped_with_the_reason(tiny_model,
     out = subprocess.run([sys.executable, "-c", SKIP_CHILD, str(tiny_model), str(tmp_path / "variants")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    from quantgate.tasks.records import VariantArtifact
+    from quantgate.catalog.records import VariantArtifact
 
     skipped = VariantArtifact(**json.loads(out.stdout.strip().splitlines()[-1]))
     assert skipped.status == "skipped" and not skipped.ok and skipped.path is None

@@ -12,14 +12,18 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from quantgate.catalog.schema import LocalSource, LocalTask, ModelSpec, SuiteSpec, TextCalibration, VariantSpec
-from quantgate.tasks import caching, quantize
-from quantgate.tasks.caching import (
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.records import ModelArtifact
+from quantgate.catalog.sources import LocalSource
+from quantgate.catalog.suites import LocalTask, SuiteSpec
+from quantgate.catalog.variants import TextCalibration, VariantSpec
+from quantgate.tasks.steps import caching
+from quantgate.tasks.steps.caching import (
     CACHE_DIR, KEY_MEMO, build_cached, calibration_check_key, check_calibration_cached, download_cached, download_key,
     quantize_key, remembered_quantize_key,
 )
-from quantgate.tasks.calibration import CalibrationError, evaluated_documents
-from quantgate.tasks.records import ModelArtifact
+from quantgate.tasks.steps import quantize
+from quantgate.tasks.steps.calibration import CalibrationError, evaluated_documents
 from quantgate.warehouse import store
 from tests.shared_data import SHARED
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from quantgate.catalog.schema import (
-    CatalogError, ChatCalibration, EvalHoldoutCalibration, HoldoutSlice, LocalTask, SuiteSpec, TextCalibration,
-    load_catalog,
-)
-from quantgate.tasks.calibration import CalibrationError, check_calibration, load_calibration
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.suites import LocalTask, SuiteSpec
+from quantgate.catalog.variants import ChatCalibration, EvalHoldoutCalibration, HoldoutSlice, TextCalibration
+from quantgate.tasks.steps.calibration import CalibrationError, check_calibration, load_calibration
 from tests.shared_data import SHARED, TINY_MODEL, with_chat_template
 
 STORIES = SHARED / "eval" / "simple_stories" / "simple_stories.txt"

@@ -3,9 +3,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quantgate.catalog.schema import (
-    DEFAULT_CATALOG, CatalogError, PublishedFigure, adhoc_model, load_catalog, resolve_variants,
-)
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.models import PublishedFigure
+from quantgate.catalog.paths import DEFAULT_CATALOG
+from quantgate.catalog.selection import adhoc_model, resolve_variants
 
 
 def _write(tmp_path: Path, data: dict) -> Path:

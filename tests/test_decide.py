@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from quantgate.catalog.schema import Policy
-from quantgate.tasks.decide import decide
+from quantgate.catalog.policy import Policy
+from quantgate.tasks.steps.decide import decide
 
 POLICY = Policy.model_validate({
     "version": 1,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.tasks.records import ModelArtifact
+from quantgate.catalog.records import ModelArtifact
 from quantgate.warehouse import store
 from tests import prefect_server
 from tests.shared_data import REPO, TINY_MODEL

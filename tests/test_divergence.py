@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from quantgate.catalog.schema import TextCalibration, VariantSpec
-from quantgate.tasks.divergence import DivergenceError, kl_divergence, kl_eval_key, kl_report
-from quantgate.tasks.quantize import build_variant
-from quantgate.tasks.records import ModelArtifact
+from quantgate.catalog.records import ModelArtifact
+from quantgate.catalog.variants import TextCalibration, VariantSpec
+from quantgate.tasks.steps.divergence import DivergenceError, kl_divergence, kl_eval_key, kl_report
+from quantgate.tasks.steps.quantize import build_variant
 from tests.shared_data import SHARED, TINY_MODEL
 
 STORIES = SHARED / "eval" / "simple_stories" / "simple_stories.txt"

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hf_constants
 
-from quantgate.catalog.schema import GgufSource, HubSource, LocalSource, ModelSpec
-from quantgate.tasks import download
-from quantgate.tasks.download import HASH_CACHE, DownloadError, fetch_model
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.sources import GgufSource, HubSource, LocalSource
+from quantgate.tasks.steps import download
+from quantgate.tasks.steps.download import HASH_CACHE, DownloadError, fetch_model
 from tests.tiny_gguf import write_stories_gguf
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -427,8 +428,9 @@ def test_gguf_from_package_converts_once_and_answers(tmp_path: Path) -> None:
 def test_pull_fetches_into_the_work_dir_cache_that_runs_reuse(tmp_path: Path, prefect_api: str) -> None:
     """`quantgate pull` stores the download under the work dir's task cache, keyed as a run's download stage keys
     it, so the next run on that work dir finds it there instead of fetching (or dequantizing) again."""
-    from quantgate.catalog.schema import adhoc_model, load_catalog
-    from quantgate.tasks.caching import CACHE_DIR, download_key
+    from quantgate.catalog.load import load_catalog
+    from quantgate.catalog.selection import adhoc_model
+    from quantgate.tasks.steps.caching import CACHE_DIR, download_key
     from tests.cli_runs import run_cli
 
     work = tmp_path / "work"

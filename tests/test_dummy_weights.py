@@ -9,14 +9,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tests.shapes import TINY_QWEN
-from quantgate.tasks.dummy_weights import (
-    QWEN25_7B_INSTRUCT,
-    W4_SCALE,
-    DummyWeightsError,
-    w4a16_quantization_config,
-    write_dummy_checkpoint,
+from quantgate.tasks.adapters.dummy_weights import (
+    QWEN25_7B_INSTRUCT, W4_SCALE, DummyWeightsError, w4a16_quantization_config, write_dummy_checkpoint,
 )
+from tests.shapes import TINY_QWEN
 
 TINY = {**QWEN25_7B_INSTRUCT, **TINY_QWEN}
 

@@ -18,9 +18,9 @@ import textwrap
 
 import pytest
 
-from quantgate.catalog.schema import ServingScenario
-from quantgate.tasks.endpoint import Target, _name_and_version, endpoint_prompts, scrub
-from quantgate.tasks.speed.server import free_port, start_server
+from quantgate.catalog.scenarios import ServingScenario
+from quantgate.tasks.adapters.endpoint import Target, _name_and_version, endpoint_prompts, scrub
+from quantgate.tasks.adapters.speed.server import free_port, start_server
 from quantgate.warehouse import store
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("openai") is None,

@@ -2,11 +2,10 @@ import math
 from pathlib import Path
 
 import pytest
+
+from quantgate.catalog.suites import LocalTask, SuiteSpec
+from quantgate.tasks.steps.evaluate import eval_key, evaluate_variant
 from tests.shared_data import SHARED, with_chat_template
-
-from quantgate.catalog.schema import LocalTask, SuiteSpec
-from quantgate.tasks.evaluate import eval_key, evaluate_variant
-
 
 MODEL = SHARED / "models" / "stories260k-i256"
 PIQA_LIMIT = 50

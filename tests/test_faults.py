@@ -14,12 +14,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from quantgate.catalog.schema import OfflineScenario
-from quantgate.tasks import engines
-from quantgate.tasks.benchmark import run_scenarios
-from quantgate.tasks.engines import EngineOptions
-from quantgate.tasks.engines.transformers import TransformersEngine
-from quantgate.tasks.speed.retry import Failure, fallback_options, retry_on_oom
+from quantgate.catalog.scenarios import OfflineScenario
+from quantgate.tasks.adapters import engines
+from quantgate.tasks.adapters.engines import EngineOptions
+from quantgate.tasks.adapters.engines.transformers import TransformersEngine
+from quantgate.tasks.adapters.speed.retry import Failure, fallback_options, retry_on_oom
+from quantgate.tasks.steps.benchmark import run_scenarios
 from quantgate.warehouse import store
 
 
@@ -182,10 +182,10 @@ def test_finite_weights_with_nan_outputs_fail_the_variant(tiny_model, tmp_path):
     failed build in test_crash_resume.)"""
     from safetensors.torch import load_file, save_file
 
-    from quantgate.catalog.schema import load_catalog
+    from quantgate.catalog.load import load_catalog
     from quantgate.flows.evaluate_model import evaluate_model
-    from quantgate.tasks.download import fetch_model
-    from quantgate.tasks.quantize import build_variant
+    from quantgate.tasks.steps.download import fetch_model
+    from quantgate.tasks.steps.quantize import build_variant
 
     cat_path = tmp_path / "catalog.yaml"
     cat_path.write_text(textwrap.dedent(f"""

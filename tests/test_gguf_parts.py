@@ -15,9 +15,11 @@ import yaml
 from pydantic import ValidationError
 from safetensors import safe_open
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, GgufParts, GgufSource, ModelSpec
-from quantgate.tasks import gguf_parts
-from quantgate.tasks.download import DownloadError, fetch_model
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.paths import DEFAULT_CATALOG
+from quantgate.catalog.sources import GgufParts, GgufSource
+from quantgate.tasks.adapters import gguf_parts
+from quantgate.tasks.steps.download import DownloadError, fetch_model
 from tests.tiny_gguf import stories_embeddings, write_stories_gguf
 
 DIST = "fake-model-part{n}"

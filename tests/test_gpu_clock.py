@@ -1,5 +1,5 @@
 """The GPU clock on a CPU: unmeasured work shares the GPU, a measurement has it alone. Real threads and real
-spawned processes (tasks/launch.in_process_group) whose "load" and "measurement" are timed sleeps written to
+spawned processes (tasks/runtime/launch.in_process_group) whose "load" and "measurement" are timed sleeps written to
 files; what they would do on a GPU is not run here (the device run is benchmarks/gpu/run_reference.sh, whose
 speed rows carry the same windows)."""
 
@@ -12,16 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.catalog.schema import LatencyScenario, OfflineScenario, ServingScenario
-from quantgate.tasks import launch
-from quantgate.tasks.engines import EngineOptions
-from quantgate.tasks.speed.options import (
-    ENGINE_OVERHEAD_BYTES,
-    SIZED_GPU_MEMORY_UTILIZATION,
-    sized_kv_cache,
-    start_memory_bytes,
+from quantgate.catalog.scenarios import LatencyScenario, OfflineScenario, ServingScenario
+from quantgate.tasks.adapters.engines import EngineOptions
+from quantgate.tasks.adapters.speed.options import (
+    ENGINE_OVERHEAD_BYTES, SIZED_GPU_MEMORY_UTILIZATION, sized_kv_cache, start_memory_bytes,
 )
-from quantgate.tasks.speed.retry import fallback_options
+from quantgate.tasks.adapters.speed.retry import fallback_options
+from quantgate.tasks.runtime import launch
 
 
 def _span(clock_cm, log: list, name: str, seconds: float) -> None:
@@ -182,7 +179,7 @@ def test_a_server_started_beside_other_work_runs_at_the_niceness_asked(tmp_path)
     import os
     import sys
 
-    from quantgate.tasks.speed.processes import spawn_session
+    from quantgate.tasks.adapters.speed.processes import spawn_session
 
     log = tmp_path / "nice.log"
     proc = spawn_session([sys.executable, "-c", "import os; print(os.nice(0), os.getpgrp() == os.getpid())"], log,

@@ -1,5 +1,5 @@
-"""Memory promised to unmeasured work on the GPU clock (tasks/gpu_memory.py): engine starts beside it wait while a
-promise holds what they would need, and go once the promised job's engine has loaded. The clock, the threads, the
+"""Memory promised to unmeasured work on the GPU clock (tasks/runtime/gpu_memory.py): engine starts beside it wait while
+a promise holds what they would need, and go once the promised job's engine has loaded. The clock, the threads, the
 lm-eval process and its "loaded" signal are real; the GPU's memory is a stand-in (NVML, which reports it on the
 device, is not on a CPU machine). What a promise protects on the device, an evaluation's vLLM start finding its
 share free, is the reference run's (benchmarks/gpu/run_reference.sh)."""
@@ -10,12 +10,11 @@ import contextvars
 import threading
 import time
 
-from tests.test_gpu_clock import _GpuMemory
+from quantgate.catalog.suites import LocalTask, SuiteSpec
+from quantgate.tasks.runtime import gpu_memory, launch
+from quantgate.tasks.steps.evaluate import evaluate_variant
 from tests.test_evaluate import MODEL, PIQA_LIMIT
-
-from quantgate.catalog.schema import LocalTask, SuiteSpec
-from quantgate.tasks import gpu_memory, launch
-from quantgate.tasks.evaluate import evaluate_variant
+from tests.test_gpu_clock import _GpuMemory
 
 GIB = 1 << 30
 

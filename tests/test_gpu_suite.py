@@ -14,19 +14,20 @@ import torch
 import yaml
 from prefect.testing.utilities import prefect_test_harness
 
-from tests.shapes import TINY_QWEN
-from quantgate.catalog.schema import OfflineScenario, ServingScenario, SuiteStep, load_gpu_suite
+from quantgate.catalog.gpu_suite import SuiteStep, load_gpu_suite
+from quantgate.catalog.scenarios import OfflineScenario, ServingScenario
 from quantgate.flows.gpu_suite import Clock, StepOutcome, gpu_suite, run_steps, select_steps
-from quantgate.tasks.launch import LaunchError, on_gpus
-from quantgate.tasks.benchmark import run_scenarios
-from quantgate.tasks.speed.errors import BenchmarkError
-from quantgate.tasks.speed.options import engine_options
-from quantgate.tasks.speed.prompts import make_prompt_sets
-from quantgate.tasks.speed.retry import fallback_options
-from quantgate.tasks.dummy_weights import QWEN25_7B_INSTRUCT, write_dummy_checkpoint
-from quantgate.tasks.engines import EngineOptions, create
-from quantgate.tasks.speed.vllm_cli import looks_like_oom, root_cause, vllm_cli_args
+from quantgate.tasks.adapters.engines import EngineOptions, create
+from quantgate.tasks.adapters.speed.errors import BenchmarkError
+from quantgate.tasks.adapters.speed.options import engine_options
+from quantgate.tasks.adapters.speed.prompts import make_prompt_sets
+from quantgate.tasks.adapters.speed.retry import fallback_options
+from quantgate.tasks.adapters.speed.vllm_cli import looks_like_oom, root_cause, vllm_cli_args
+from quantgate.tasks.runtime.launch import LaunchError, on_gpus
+from quantgate.tasks.steps.benchmark import run_scenarios
+from quantgate.tasks.adapters.dummy_weights import QWEN25_7B_INSTRUCT, write_dummy_checkpoint
 from quantgate.warehouse import store
+from tests.shapes import TINY_QWEN
 
 REPO = Path(__file__).resolve().parents[1]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")

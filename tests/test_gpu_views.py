@@ -11,9 +11,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from quantgate.tasks.records import ModelArtifact, SpeedResult, VariantArtifact
-from quantgate.tasks.speed.client import RequestRecord, ServingLoad
-from quantgate.tasks.speed.metrics import Slo
+from quantgate.catalog.records import ModelArtifact, RequestRecord, ServingLoad, Slo, SpeedResult, VariantArtifact
 from quantgate.warehouse import store
 
 REPO = Path(__file__).resolve().parents[1]

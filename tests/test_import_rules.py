@@ -1,5 +1,6 @@
 """The rooms' import rules that docs/architecture.md states, checked on every module's imports (module level and
-inside functions alike): data flows catalog -> tasks -> warehouse -> flows, never back."""
+inside functions alike): data flows catalog -> tasks -> warehouse -> flows, never back; inside tasks/, steps use
+adapters and runtime, adapters use runtime, runtime uses neither."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ MAY_IMPORT = {
     "warehouse": {"catalog"},
     "flows": {"catalog", "tasks", "warehouse"},
 }
-# The records and error helpers the warehouse stores and formats, which live in tasks/ today.
-WAREHOUSE_MAY_USE = {"quantgate.tasks.records", "quantgate.tasks.errors", "quantgate.tasks.speed.client",
-                     "quantgate.tasks.speed.metrics"}
+# tasks/ in three groups, told apart by where they live; what each may import from the others (itself always).
+TASK_GROUPS = {"runtime": set(), "adapters": {"runtime"}, "steps": {"adapters", "runtime"}}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -38,9 +38,27 @@ def test_each_room_imports_only_what_it_may():
                 other = name.split(".")[1]
                 if other == room or other in MAY_IMPORT[room]:
                     continue
-                if room == "warehouse" and name in WAREHOUSE_MAY_USE:
-                    continue
                 broken.append(f"{path.relative_to(REPO)}:{line} imports {name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_task_module_is_a_step_an_adapter_or_runtime():
+    loose = [p.name for p in (REPO / "tasks").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"tasks/ modules outside steps/, adapters/ and runtime/: {loose}"
+    assert {p.name for p in (REPO / "tasks").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(TASK_GROUPS)
+
+
+def test_task_groups_import_only_what_they_may():
+    broken = []
+    for group, allowed in TASK_GROUPS.items():
+        for path in sorted((REPO / "tasks" / group).rglob("*.py")):
+            for line, name in _imports(path):
+                parts = name.split(".")
+                if parts[1] != "tasks" or len(parts) < 3:
+                    continue
+                other = parts[2]
+                if other != group and other not in allowed:
+                    broken.append(f"{path.relative_to(REPO)}:{line} imports {name}")
     assert not broken, "\n".join(broken)
 
 

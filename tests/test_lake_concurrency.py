@@ -13,15 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.tasks.records import (
-    Decision,
-    DecisionCheck,
-    MetricResult,
-    ModelArtifact,
-    QualityReport,
-    SampleResult,
-    SpeedResult,
-    VariantArtifact,
+from quantgate.catalog.records import (
+    Decision, DecisionCheck, MetricResult, ModelArtifact, QualityReport, SampleResult, SpeedResult, VariantArtifact,
 )
 from quantgate.warehouse import store
 from tests.postgres import postgres_server, server_bin

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.flows.evaluate_model import evaluate_model
-from quantgate.tasks import launch
+from quantgate.tasks.runtime import launch
 from quantgate.warehouse import store
 from tests.shared_data import TINY_MODEL
 

@@ -8,10 +8,12 @@ import re
 
 import pytest
 import yaml
-from tests.shared_data import SHARED
 
-from quantgate.catalog.schema import LOCAL_TASKS_DIR, LocalTask, SuiteSpec, load_catalog
-from quantgate.tasks.evaluators.lm_eval import eval_key, evaluate
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.paths import LOCAL_TASKS_DIR
+from quantgate.catalog.suites import LocalTask, SuiteSpec
+from quantgate.tasks.adapters.evaluators.lm_eval import eval_key, evaluate
+from tests.shared_data import SHARED
 
 TEXT = SHARED / "eval" / "simple_stories" / "simple_stories.txt"
 

@@ -4,13 +4,8 @@ import numpy as np
 import pytest
 from lm_eval.api.metrics import bits_per_byte, mean, mean_stderr, weighted_perplexity
 
-from quantgate.tasks.quality_stats import (
-    QualityStatsError,
-    aggregation,
-    delta_interval,
-    items_to_decide,
-    paired_bootstrap,
-    z_score,
+from quantgate.tasks.steps.quality_stats import (
+    QualityStatsError, aggregation, delta_interval, items_to_decide, paired_bootstrap, z_score,
 )
 
 

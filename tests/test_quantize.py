@@ -8,22 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.shared_data import SHARED, with_chat_template
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from quantgate.catalog.schema import ChatCalibration, TextCalibration, VariantSpec
-from quantgate.tasks.quantize import (
-    MARKER,
-    base_variant,
-    build_variant,
-    lib_versions,
-    recipe_for,
-    variant_uid,
-)
-from quantgate.tasks.quantizers import llmcompressor
-from quantgate.tasks.records import CalibrationSamples, ModelArtifact
+from quantgate.catalog.records import CalibrationSamples, ModelArtifact
+from quantgate.catalog.variants import ChatCalibration, TextCalibration, VariantSpec
+from quantgate.tasks.adapters.quantizers import llmcompressor
+from quantgate.tasks.steps.quantize import MARKER, base_variant, build_variant, lib_versions, recipe_for, variant_uid
+from tests.shared_data import SHARED, with_chat_template
 
 DATA = SHARED
 TINY = DATA / "models" / "stories260k-i256"  # every Linear in_features divisible by 32 and 64

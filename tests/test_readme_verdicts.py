@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from quantgate.catalog.schema import DEFAULT_CATALOG
+from quantgate.catalog.paths import DEFAULT_CATALOG
 
 REPO = Path(__file__).resolve().parents[1]
 # Relative, as the section names it: the script runs in the repository.

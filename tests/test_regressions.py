@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from lm_eval.api.metrics import mean_stderr
 
-from quantgate.catalog.schema import Policy
-from quantgate.tasks.decide import decide
-from quantgate.tasks.records import MetricResult, ModelArtifact, QualityReport, SampleResult, SpeedResult, VariantArtifact
+from quantgate.catalog.policy import Policy
+from quantgate.catalog.records import (
+    MetricResult, ModelArtifact, QualityReport, SampleResult, SpeedResult, VariantArtifact,
+)
+from quantgate.tasks.steps.decide import decide
 from quantgate.warehouse import store
 
 N_ITEMS, N_DOCS = 200, 12

@@ -7,16 +7,10 @@ import subprocess
 
 import pytest
 
-from quantgate.tasks.records import (
-    Decision,
-    DecisionCheck,
-    MetricResult,
-    ModelArtifact,
-    QualityReport,
-    SpeedResult,
+from quantgate.catalog.records import (
+    Decision, DecisionCheck, MetricResult, ModelArtifact, QualityReport, RequestRecord, ServingLoad, SpeedResult,
     VariantArtifact,
 )
-from quantgate.tasks.speed.client import RequestRecord, ServingLoad
 from quantgate.warehouse import report, store
 
 # name: (piqa acc, tokens/s, peak bytes, J/token, decision)

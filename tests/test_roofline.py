@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shapes import TINY_QWEN
-from quantgate.tasks.dummy_weights import QWEN25_7B_INSTRUCT, layout, write_dummy_checkpoint
-from quantgate.tasks.roofline import (
-    RooflineError,
-    checkpoint_tensors,
-    decode_weight_bytes,
-    dequantized_tensors,
-    kv_bytes_per_token,
-    roofline_fraction,
+from quantgate.tasks.adapters.dummy_weights import QWEN25_7B_INSTRUCT, layout, write_dummy_checkpoint
+from quantgate.tasks.adapters.roofline import (
+    RooflineError, checkpoint_tensors, decode_weight_bytes, dequantized_tensors, kv_bytes_per_token, roofline_fraction,
     roofline_tokens_per_s,
 )
+from tests.shapes import TINY_QWEN
 
 HIDDEN, VOCAB = 3584, 152064
 EMBED = VOCAB * HIDDEN * 2  # one bf16 table: 1.09 GB

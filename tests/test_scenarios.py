@@ -6,18 +6,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from quantgate.catalog.schema import (
-    CATALOG_DIR,
-    CatalogError,
-    OfflineScenario,
-    ServingScenario,
-    SpeculativeSpec,
-    bench_mismatch,
-    load_gpu_suite,
-    scenario_from,
-)
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.gpu_suite import load_gpu_suite
+from quantgate.catalog.paths import CATALOG_DIR
+from quantgate.catalog.scenarios import OfflineScenario, ServingScenario, SpeculativeSpec, bench_mismatch, scenario_from
 from quantgate.flows.gpu_suite import GpuSuiteError, check_steps
-from quantgate.tasks.speed.options import engine_options
+from quantgate.tasks.adapters.speed.options import engine_options
 
 
 def _error(**fields) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.tasks.download import TOKEN_SECRET_ENV, DownloadError
+from quantgate.tasks.steps.download import TOKEN_SECRET_ENV, DownloadError
 from quantgate.warehouse import store
 from tests.cli_runs import run_cli, tables
 from tests.test_download import FakeHub, fetch_hub, hub, model_copy, online  # noqa: F401 - fixtures
@@ -100,9 +100,9 @@ def test_a_token_from_a_prefect_secret_block(hub: Callable[..., FakeHub], model_
 
 
 def test_remote_code_is_off_unless_the_catalog_turns_it_on():
-    from quantgate.catalog.schema import ModelSpec
-    from quantgate.tasks.engines import EngineOptions
-    from quantgate.tasks.evaluate import evaluate_variant
+    from quantgate.catalog.models import ModelSpec
+    from quantgate.tasks.adapters.engines import EngineOptions
+    from quantgate.tasks.steps.evaluate import evaluate_variant
 
     assert ModelSpec.model_fields["trust_remote_code"].default is False
     assert EngineOptions.__dataclass_fields__["trust_remote_code"].default is False
@@ -110,8 +110,8 @@ def test_remote_code_is_off_unless_the_catalog_turns_it_on():
 
 
 def test_the_vllm_server_binds_to_loopback_unless_told_otherwise():
-    from quantgate.tasks.speed.server import start_server
-    from quantgate.tasks.speed.vllm_cli import vllm_serve_command
+    from quantgate.tasks.adapters.speed.server import start_server
+    from quantgate.tasks.adapters.speed.vllm_cli import vllm_serve_command
 
     host = inspect.signature(start_server).parameters["host"].default
     assert host == "127.0.0.1"

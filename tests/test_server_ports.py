@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.tasks.speed import server as server_module
-from quantgate.tasks.speed.errors import ServingError
-from quantgate.tasks.speed.server import PORT_TRIES, PortTaken, free_port, start_server
+from quantgate.tasks.adapters.speed import server as server_module
+from quantgate.tasks.adapters.speed.errors import ServingError
+from quantgate.tasks.adapters.speed.server import PORT_TRIES, PortTaken, free_port, start_server
 
 _STAND_IN = textwrap.dedent(
     """

@@ -20,14 +20,15 @@ import pytest
 import torch
 from aiohttp import web
 
+from quantgate.catalog.records import RequestRecord, Slo
+from quantgate.tasks.adapters.speed.bench import vllm_bench_throughput
+from quantgate.tasks.adapters.speed.client import arrival_offsets, run_load
+from quantgate.tasks.adapters.speed.errors import ServingError
+from quantgate.tasks.adapters.speed.metrics import summarize
+from quantgate.tasks.adapters.speed.server import free_port, start_server
+from quantgate.tasks.adapters.speed.vllm_cli import vllm_serve_command
+from quantgate.tasks.adapters.dummy_weights import QWEN25_7B_INSTRUCT, write_dummy_checkpoint
 from tests.shapes import SMALL_QWEN
-from quantgate.tasks.dummy_weights import QWEN25_7B_INSTRUCT, write_dummy_checkpoint
-from quantgate.tasks.speed.bench import vllm_bench_throughput
-from quantgate.tasks.speed.client import RequestRecord, arrival_offsets, run_load
-from quantgate.tasks.speed.errors import ServingError
-from quantgate.tasks.speed.metrics import Slo, summarize
-from quantgate.tasks.speed.server import free_port, start_server
-from quantgate.tasks.speed.vllm_cli import vllm_serve_command
 
 # Prompt-coded behaviour of the fake server: [OK, ttft_ms, gap_ms, tokens_per_chunk, ...] streams
 # normally; [HTTP_500] answers 500; [STREAM_ERROR] sends one token then vLLM's in-stream error event.
@@ -393,7 +394,7 @@ def test_vllm_serve_and_bench_throughput_on_the_device(tmp_path, quant):
     summary = summarize(run.records, run.duration_s, Slo(ttft_ms=10_000, tpot_ms=1_000))
     assert summary["good_requests"] == 8 and summary["output_tokens_per_s"] > 0
 
-    # Through its gate (tasks/speed/bench_gate.py): one warm-up pass, then its timed pass three times.
+    # Through its gate (tasks/adapters/speed/bench_gate.py): one warm-up pass, then its timed pass three times.
     res = vllm_bench_throughput(
         str(ck.path), input_len=32, output_len=16, num_prompts=16, work_dir=tmp_path / "bench", num_warmups=16,
         passes=3, extra_args=_ENGINE_ARGS,

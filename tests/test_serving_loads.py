@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from quantgate.catalog.schema import ServingScenario
-from quantgate.tasks.speed.metrics import Slo
-from quantgate.tasks.speed.server import free_port, start_server
-from quantgate.tasks.speed.serving import drive_loads
-from quantgate.tasks.telemetry import Telemetry
+from quantgate.catalog.records import Slo
+from quantgate.catalog.scenarios import ServingScenario
+from quantgate.tasks.adapters.speed.server import free_port, start_server
+from quantgate.tasks.adapters.speed.serving import drive_loads
+from quantgate.tasks.runtime.telemetry import Telemetry
 from quantgate.warehouse import store
 
 # Streams max_tokens chunks of one token: 20 ms to the first, 5 ms between the rest.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.tasks.speed.checkpoint import speed_format
+from quantgate.tasks.adapters.speed.checkpoint import speed_format
 from quantgate.warehouse import store
 from tests.cli_runs import run_cli, tiny_catalog
 from tests.shared_data import TINY_MODEL

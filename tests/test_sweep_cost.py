@@ -13,15 +13,16 @@ from html import unescape
 import pytest
 import yaml
 
-from quantgate.catalog.schema import CatalogError, Policy, ServingScenario, SweepSpec, load_gpu_suite, sweep_label
-from quantgate.tasks.decide import decide
-from quantgate.tasks.records import SpeedResult, VariantArtifact
-from quantgate.tasks.speed.checkpoint import has_weight_only_int_layers
-from quantgate.tasks.speed.client import RequestRecord, ServingLoad
-from quantgate.tasks.speed.metrics import Slo
-from quantgate.tasks.speed.serving import measured_from_dict, measured_to_dict
-from quantgate.tasks.speed.sweep import serve_sweep
-from quantgate.tasks.speed.vllm_cli import sweep_settings
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.gpu_suite import load_gpu_suite
+from quantgate.catalog.policy import Policy
+from quantgate.catalog.records import RequestRecord, ServingLoad, Slo, SpeedResult, VariantArtifact
+from quantgate.catalog.scenarios import ServingScenario, SweepSpec, sweep_label
+from quantgate.tasks.adapters.speed.checkpoint import has_weight_only_int_layers
+from quantgate.tasks.adapters.speed.serving import measured_from_dict, measured_to_dict
+from quantgate.tasks.adapters.speed.sweep import serve_sweep
+from quantgate.tasks.adapters.speed.vllm_cli import sweep_settings
+from quantgate.tasks.steps.decide import decide
 from quantgate.warehouse import report, store
 
 
@@ -150,7 +151,7 @@ def test_a_forced_kernel_is_skipped_on_a_checkpoint_without_weight_only_layers(t
 
 
 def test_forcing_the_kernel_the_defaults_chose_for_every_layer_is_skipped(tmp_path):
-    from quantgate.tasks.speed.vllm_cli import kernel_from_log
+    from quantgate.tasks.adapters.speed.vllm_cli import kernel_from_log
 
     scenario = ServingScenario(engines=["vllm"], concurrency=[4], sweep={"kernel": ["MarlinLinearKernel"]})
     w4a16 = _checkpoint(tmp_path / "w4a16", _group("int"))
@@ -179,7 +180,7 @@ def test_beside_other_work_a_forced_kernel_starts_with_the_defaults(tmp_path):
     import threading
     import time
 
-    from quantgate.tasks import launch
+    from quantgate.tasks.runtime import launch
 
     scenario = ServingScenario(engines=["vllm"], concurrency=[4],
                             sweep={"max_num_seqs": [16], "kernel": ["MarlinLinearKernel"]})

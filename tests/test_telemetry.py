@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from quantgate.tasks import launch
-from quantgate.tasks import telemetry as telemetry_module
-from quantgate.tasks.telemetry import GROUP_INTERVAL_S, Telemetry
+from quantgate.tasks.runtime import launch
+from quantgate.tasks.runtime import telemetry as telemetry_module
+from quantgate.tasks.runtime.telemetry import GROUP_INTERVAL_S, Telemetry
 
 
 class _StandInNvml(types.ModuleType):

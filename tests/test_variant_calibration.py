@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.catalog.schema import load_catalog
+from quantgate.catalog.load import load_catalog
 from quantgate.flows.evaluate_model import evaluate_model
-from quantgate.tasks.calibration import load_calibration
-from quantgate.tasks.quantize import lib_versions, recipe_for, variant_uid
+from quantgate.tasks.steps.calibration import load_calibration
+from quantgate.tasks.steps.quantize import lib_versions, recipe_for, variant_uid
 from quantgate.warehouse import store
 from tests.shared_data import SHARED, TINY_MODEL
 

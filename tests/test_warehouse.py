@@ -6,7 +6,9 @@ import textwrap
 import duckdb
 import pytest
 
-from quantgate.tasks.records import MetricResult, ModelArtifact, QualityReport, SampleResult, SpeedResult, VariantArtifact
+from quantgate.catalog.records import (
+    MetricResult, ModelArtifact, QualityReport, SampleResult, SpeedResult, VariantArtifact,
+)
 from quantgate.warehouse import store
 
 
@@ -108,7 +110,7 @@ def test_rewriting_the_same_results_adds_no_rows(tmp_path):
 
 
 def test_scorecard_shows_latest_run_only(tmp_path):
-    from quantgate.tasks.records import Decision
+    from quantgate.catalog.records import Decision
 
     with store.session(tmp_path / "w.ducklake") as con:
         for run in ("r1", "r2"):

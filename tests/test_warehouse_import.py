@@ -75,7 +75,7 @@ def test_a_duckdb_warehouse_is_imported_whole_and_its_views_answer_the_same(tmp_
 
 def test_an_older_duckdb_warehouse_is_migrated_on_the_way_and_its_decisions_stay_readable(tmp_path):
     """A warehouse as legacy migration 0008 left it: decisions with their checks as JSON, no decision_checks."""
-    from quantgate.tasks.records import Decision, DecisionCheck
+    from quantgate.catalog.records import Decision, DecisionCheck
     from tests.test_warehouse import seed_run
 
     seeded = tmp_path / "seed.ducklake"

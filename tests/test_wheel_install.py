@@ -61,8 +61,9 @@ def test_the_installed_wheel_runs_a_model_to_its_decisions(wheel, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import quantgate.tasks.speed, quantgate.flows.cli as c;"
-                            " print(c.__file__)"], cwd=work, env=env, capture_output=True, text=True, check=True)
+    probe = "import quantgate.tasks.adapters.speed, quantgate.flows.cli as c; print(c.__file__)"
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=work, env=env, capture_output=True,
+                           text=True, check=True)
     assert where.stdout.startswith(str(venv)), where.stdout
     catalog = str(REPO / "catalog" / "models.yaml")  # the packaged catalog's local paths point beside a checkout
     assert ": ok" in quantgate("catalog", "validate").stdout  # the packaged catalog and its data files

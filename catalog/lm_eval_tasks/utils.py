@@ -18,7 +18,7 @@ DATA_ENV = "QUANTGATE_EVAL_DATA"
 
 
 def data_root() -> Path:
-    from quantgate.catalog.schema import eval_data_root
+    from quantgate.catalog.paths import eval_data_root
 
     return eval_data_root()
 

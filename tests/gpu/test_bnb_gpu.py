@@ -2,13 +2,14 @@
 the Transformers benchmark on cuda, vLLM's in-flight NF4, and vLLM skipping int8 with its reason."""
 
 import pytest
-from tests.shared_data import SHARED, TINY_MODEL
 
-from quantgate.catalog.schema import OfflineScenario, VariantSpec
-from quantgate.tasks import quantize
-from quantgate.tasks.benchmark import run_scenario
-from quantgate.tasks.divergence import kl_divergence
-from quantgate.tasks.records import ModelArtifact
+from quantgate.catalog.records import ModelArtifact
+from quantgate.catalog.scenarios import OfflineScenario
+from quantgate.catalog.variants import VariantSpec
+from quantgate.tasks.steps import quantize
+from quantgate.tasks.steps.benchmark import run_scenario
+from quantgate.tasks.steps.divergence import kl_divergence
+from tests.shared_data import SHARED, TINY_MODEL
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (its wheel is not in the devkit?)")

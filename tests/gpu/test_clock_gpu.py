@@ -12,11 +12,11 @@ import time
 from datetime import datetime
 
 import pytest
-from tests.shared_data import TINY_MODEL
 
-from quantgate.catalog.schema import OfflineScenario
-from quantgate.tasks import launch
-from quantgate.tasks.benchmark import run_scenario
+from quantgate.catalog.scenarios import OfflineScenario
+from quantgate.tasks.runtime import launch
+from quantgate.tasks.steps.benchmark import run_scenario
+from tests.shared_data import TINY_MODEL
 
 pytestmark = [pytest.mark.gpu]
 

@@ -1,8 +1,8 @@
 import pytest
-from tests.shared_data import TINY_MODEL
 
-from quantgate.catalog.schema import OfflineScenario
-from quantgate.tasks.benchmark import run_scenario
+from quantgate.catalog.scenarios import OfflineScenario
+from quantgate.tasks.steps.benchmark import run_scenario
+from tests.shared_data import TINY_MODEL
 
 pytestmark = pytest.mark.gpu
 

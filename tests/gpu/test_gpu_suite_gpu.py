@@ -20,9 +20,10 @@ pytestmark = [
                        reason="needs vllm and a CUDA GPU"),
 ]
 
-# No gpu_memory_utilization: each vLLM start gets a KV cache sized to its load (tasks/speed/options.sized_kv_cache),
-# which skips vLLM's memory profiling, so the other test workers' engines starting and stopping on the same GPU
-# cannot upset it (they did, with 0.3 of the GPU each: gpu-tests/call-s11-2-all.txt).
+# No gpu_memory_utilization: each vLLM start gets a KV cache sized to its load
+# (tasks/adapters/speed/options.sized_kv_cache), which skips vLLM's memory profiling, so the other test workers' engines
+# starting and stopping on the same GPU cannot upset it (they did, with 0.3 of the GPU each:
+# gpu-tests/call-s11-2-all.txt).
 COMMON = {"device": "cuda", "dtype": "bfloat16", "weights": "dummy", "max_model_len": 256, "enforce_eager": True,
           "num_prompts": 16, "input_len": 64, "output_len": 32,
           "warmup": 1, "repetitions": 1}

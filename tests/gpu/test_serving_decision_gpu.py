@@ -16,13 +16,16 @@ import shutil
 import pytest
 import torch
 from prefect import flow
-from tests.shared_data import TINY_MODEL
 
-from quantgate.catalog.schema import DEFAULT_CATALOG, Policy, load_catalog, scenario_from
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.paths import DEFAULT_CATALOG
+from quantgate.catalog.policy import Policy
+from quantgate.catalog.records import VariantArtifact
+from quantgate.catalog.scenarios import scenario_from
 from quantgate.flows import dispatch
-from quantgate.tasks.decide import decide
-from quantgate.tasks.records import VariantArtifact
+from quantgate.tasks.steps.decide import decide
 from quantgate.warehouse import store
+from tests.shared_data import TINY_MODEL
 
 pytestmark = [
     pytest.mark.gpu,

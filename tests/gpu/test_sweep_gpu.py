@@ -50,7 +50,7 @@ def test_w4a16_sweep_picks_a_tuned_config_and_prices_it(tmp_path):
         marlin = store.rows(con, "SELECT details FROM speed_results WHERE scenario = 'sw@kernel=MarlinLinearKernel'")
     assert set(points) == {"default", "kv_cache_dtype=fp8", "kernel=MarlinLinearKernel"}
     # The defaults' KV cache (0.3 of the GPU) holds the highest load whole and meets the SLO: an FP8 KV cache cannot
-    # change the outcome, so that point is skipped with the reason (tasks/speed/sweep.py's moot rule).
+    # change the outcome, so that point is skipped with the reason (tasks/adapters/speed/sweep.py's moot rule).
     measured = {k: p for k, p in points.items() if k != "kv_cache_dtype=fp8"}
     assert all(p["status"] == "ok" and p["goodput_requests_per_s"] > 0 for p in measured.values()), \
         {k: (p["status"], p["reason"]) for k, p in points.items()}

@@ -1,0 +1,53 @@
+"""The acceptance policy (`policy:`, a model's `policy:` file): quality, speed and serving gates."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from quantgate.catalog.spec import Strict, content_hash
+
+
+class QualityGate(Strict):
+    task: str
+    metric: str
+    # lm-eval's filter of the metric (GSM8K's strict-match, flexible-extract); None: "none", else the first.
+    filter: str | None = None
+    min_recovery: float = Field(gt=0, le=2)
+    higher_is_better: bool
+    # An optional gate (required: false) is checked where its metric has a recovery; where it does not
+    # (the suite lacks the task, or the base scores 0 so no ratio exists) it is noted, not failed.
+    required: bool = True
+
+
+class SpeedGate(Strict):
+    engine: Literal["transformers", "vllm"]
+    scenario: str
+    min_speedup: float = Field(gt=0)
+
+
+class ServingGate(Strict):
+    """The variant's goodput at the SLO on a serving scenario (its tuned serving config's, when the scenario
+    sweeps vLLM settings) over the base's, in the same run."""
+
+    scenario: str
+    min_goodput_ratio: float = Field(gt=0)
+
+
+class Policy(Strict):
+    version: int
+    quality: tuple[QualityGate, ...]
+    speed: SpeedGate | None = None
+    serving: ServingGate | None = None
+    # Accept only variants that are smaller than base by at least this factor (size ÷ base size).
+    max_size_ratio: float = Field(default=1.0, gt=0, le=1.0)
+    # Recovery is estimated with a two-sided interval at this confidence (paired bootstrap over items);
+    # with use_lower_bound a gate passes only when the interval's lower bound clears min_recovery, fails
+    # when its upper bound does not, and is inconclusive in between.
+    confidence: float = Field(default=0.95, ge=0.5, lt=1.0)
+    use_lower_bound: bool = True
+
+    @property
+    def hash(self) -> str:
+        return content_hash(self.model_dump(mode="json"))

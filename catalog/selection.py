@@ -1,0 +1,76 @@
+"""What a command line selects from a catalog: a model by id, folder or hub id, a revision, variant tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import get_args
+
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.load import Catalog
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.scenarios import EngineName
+from quantgate.catalog.sources import HubSource, LocalSource
+
+
+def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None,
+                scenarios: list[str] | None = None, engines: list[str] | None = None) -> ModelSpec:
+    """A model named on the command line: a catalog id, a local folder, or a hub id (org/name[@revision]).
+
+    `variants` and `scenarios` replace the catalog's lists for this run; `engines` is only checked here
+    (the flow keeps each scenario's engines that it names)."""
+    for name in scenarios or ():
+        if name not in catalog.scenarios:
+            raise CatalogError(f"unknown scenario {name!r}: the catalog defines {sorted(catalog.scenarios)}")
+    for engine in engines or ():
+        if engine not in get_args(EngineName):
+            raise CatalogError(f"unknown engine {engine!r}: known engines are {list(get_args(EngineName))}")
+    override = {"scenarios": tuple(scenarios)} if scenarios else {}
+    for m in catalog.models:
+        if m.id == ref:
+            return m.model_copy(update={**override, **({"variants": tuple(variants)} if variants else {})})
+    base = catalog.model(template) if template else catalog.models[0]
+    if Path(ref).expanduser().exists():
+        path = Path(ref).expanduser().resolve()
+        source: HubSource | LocalSource = LocalSource(path=str(path))
+        model_id = path.name
+    elif ref.count("/") == 1 and not ref.startswith((".", "/")):
+        repo, _, rev = ref.partition("@")
+        source = HubSource(repo_id=repo, revision=rev or "main")
+        model_id = repo
+    else:
+        raise CatalogError(
+            f"unknown model {ref!r}: not a catalog id ({[m.id for m in catalog.models]}), an existing folder, or a hub id 'org/name'"
+        )
+    chosen = tuple(variants) if variants else base.variants
+    for v in chosen:
+        if v not in catalog.variants:
+            raise CatalogError(f"unknown variant {v!r}: the catalog defines {sorted(catalog.variants)}")
+    # The template's published figures are another model's.
+    return base.model_copy(update={"id": model_id, "source": source, "variants": chosen, "published": (), **override})
+
+
+def with_revision(spec: ModelSpec, revision: str | None) -> ModelSpec:
+    """`spec` pinned to a hub revision (a commit sha, branch or tag); None leaves it as it is."""
+    if not revision:
+        return spec
+    if not isinstance(spec.source, HubSource):
+        raise CatalogError(f"{spec.id}: revision {revision!r} given, but the model is a {spec.source.kind} source, not a hub one")
+    return spec.model_copy(update={"source": spec.source.model_copy(update={"revision": revision})})
+
+
+def resolve_variants(catalog: Catalog, model_ref: str, tokens: list[str]) -> list[str]:
+    """Variant names from names or method shorthands (`awq`, `gptq`), preferring the model's own variants."""
+    own = next((m.variants for m in catalog.models if m.id == model_ref), ())
+    chosen: list[str] = []
+    for token in (t.strip() for t in tokens if t.strip()):
+        if token in catalog.variants:
+            chosen.append(token)
+            continue
+        by_method = [n for n in own if catalog.variants[n].method == token] or [
+            n for n, v in catalog.variants.items() if v.method == token
+        ][:1]
+        if not by_method:
+            methods = sorted({v.method for v in catalog.variants.values()})
+            raise CatalogError(f"unknown variant or method {token!r}: variants {sorted(catalog.variants)}, methods {methods}")
+        chosen.extend(n for n in by_method if n not in chosen)
+    return chosen

@@ -1,0 +1,520 @@
+"""Quality evaluation with lm-evaluation-harness; the only module that imports lm_eval.
+
+Each evaluation runs in a fresh Python process (this module run with -m). huggingface_hub and datasets
+read their offline switches once, at import, so only a new process can take them; and a vLLM engine gives
+its GPU memory back only when its process ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from quantgate.catalog.errors import QuantgateError, one_line
+from quantgate.catalog.paths import LOCAL_TASKS_DIR
+from quantgate.catalog.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
+from quantgate.catalog.settings import settings
+from quantgate.catalog.suites import LocalTask, SuiteSpec
+from quantgate.tasks.runtime import gpu_memory
+from quantgate.tasks.runtime.telemetry import vllm_start_check_bytes
+
+log = logging.getLogger(__name__)
+
+EVALUATOR = "lm-eval"
+PROMPT_CHARS = 8000  # of each example prompt kept in the eval config
+BOOTSTRAP_ITERS = 1000  # lm-eval's default (100,000) makes bootstrapped stderrs (bleu, ...) take minutes
+
+Backend = Literal["hf", "vllm"]
+LOADED_POLL_S = 0.5
+
+
+class EvaluationError(QuantgateError, RuntimeError):
+    """An evaluation that could not run; the message is one line."""
+
+
+def eval_key(suite: SuiteSpec, backend: Backend, dtype: str = "float32") -> str:
+    """Hash of what decides the numbers: each task's resolved config and limit, few-shot, lm-eval version, backend, dtype.
+
+    Built-in lm-eval tasks are pinned by the lm-eval version, so only their names go in.
+    """
+    index = _local_index(suite)
+    fingerprint = {
+        "evaluator": EVALUATOR,
+        "backend": backend,
+        "dtype": dtype,
+        "lm_eval": version("lm_eval"),
+        "num_fewshot": suite.num_fewshot,
+        "tasks": [{"name": t.name, "limit": t.limit, "config": _resolved_config(t.name, index),
+                   # only when given, so that the keys of earlier evaluations stay as they were
+                   **({"metadata": t.metadata} if t.metadata else {}),
+                   **({"protocol": _protocol(t)} if _protocol(t) != _protocol(LocalTask(name=t.name)) else {})}
+                  for t in suite.tasks],
+    }
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _protocol(task: LocalTask) -> dict[str, Any]:
+    return {"num_fewshot": task.num_fewshot, "apply_chat_template": task.apply_chat_template,
+            "fewshot_as_multiturn": task.fewshot_as_multiturn}
+
+
+def protocol_label(num_fewshot: int | None, apply_chat_template: bool, fewshot_as_multiturn: bool) -> str:
+    """How a task was asked, e.g. '0-shot', '5-shot, chat, multiturn'; None few-shot: the task YAML's default."""
+    parts = [f"{num_fewshot}-shot" if num_fewshot is not None else "task-default shots"]
+    return ", ".join(parts + ["chat"] * apply_chat_template + ["multiturn"] * fewshot_as_multiturn)
+
+
+def run_config(
+    model_path: str, suite: SuiteSpec, *, backend: Backend, device: str, dtype: str, trust_remote_code: bool
+) -> dict[str, Any]:
+    return {
+        "model_path": model_path,
+        "backend": backend,
+        "device": device,
+        "dtype": dtype,
+        "trust_remote_code": trust_remote_code,
+        # vLLM schedules its own batches; lm-eval's "auto" hands it every request at once.
+        "batch_size": suite.batch_size if backend == "hf" else "auto",
+        "num_fewshot": suite.num_fewshot,
+        "tasks": [t.model_dump() for t in suite.tasks],
+        "bootstrap_iters": BOOTSTRAP_ITERS,
+        "eval_data": str(settings().eval_data) if settings().eval_data else None,
+        "lm_eval": version("lm_eval"),
+    }
+
+
+def evaluate(
+    model_path: str,
+    suite: SuiteSpec,
+    *,
+    backend: Backend = "hf",
+    device: str = "cpu",
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> QualityReport:
+    """Run the suite on a local checkpoint. Raises EvaluationError (one line) when it cannot."""
+    if backend not in ("hf", "vllm"):
+        raise EvaluationError(f"unknown lm-eval backend {backend!r}: use 'hf' or 'vllm'")
+    names = [t.name for t in suite.tasks]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise EvaluationError(f"tasks listed more than once in the suite: {dupes}")
+    if not Path(model_path).is_dir():
+        raise EvaluationError(f"model folder {model_path} does not exist")
+    if chat := [t.name for t in suite.tasks if t.apply_chat_template]:
+        _check_chat_template(model_path, chat, trust_remote_code)
+    key = eval_key(suite, backend, dtype)
+    config = run_config(model_path, suite, backend=backend, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    builtin = [n for n in names if n not in _local_index(suite)]
+    env = dict(os.environ)
+    if not builtin:  # every task reads local files: nothing may reach for a hub
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("HF_DATASETS_OFFLINE", "1")
+    request = {
+        "model_path": model_path,
+        "suite": suite.model_dump(mode="json"),
+        "include_paths": _include_paths(suite),
+        "builtin": bool(builtin),
+        **{k: config[k] for k in ("backend", "device", "dtype", "trust_remote_code", "batch_size")},
+    }
+    log.info("lm-eval %s on %s: %s (%s, %s, %s)", config["lm_eval"], model_path, names, backend, device, dtype)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="quantgate-lm-eval-") as tmp:
+        request_file, result_file = Path(tmp, "request.json"), Path(tmp, "result.json")
+        request_file.write_text(json.dumps({**request, "loaded_file": str(Path(tmp, "loaded"))}))
+        returncode = _run_process([sys.executable, "-m", __name__, str(request_file), str(result_file)], env,
+                                  Path(tmp, "loaded"))
+        if not result_file.is_file():
+            raise EvaluationError(f"the lm-eval process exited with code {returncode} before writing results")
+        out = json.loads(result_file.read_text())
+    if "error" in out:
+        raise EvaluationError(out["error"])
+    seconds = time.perf_counter() - start
+    log.info("lm-eval done in %.1f s: %d metrics, %d sample rows", seconds, len(out["metrics"]), len(out["samples"]))
+    return QualityReport(
+        eval_key=key,
+        evaluator=EVALUATOR,
+        # The protocol each result's task was asked with, by task name as the results name it.
+        config=config | {"protocols": out["protocols"], "example_prompts": out["example_prompts"]},
+        metrics=[MetricResult(**m) for m in out["metrics"]],
+        samples=[SampleResult(**s) for s in out["samples"]],
+        seconds=seconds,
+    )
+
+
+def _run_process(cmd: list[str], env: dict[str, str], loaded: Path) -> int:
+    """Run the evaluation process to its end; once it says its model has loaded (the `loaded` file), tell the
+    launcher (gpu_memory.engine_loaded: memory held for its start is free for others). An interrupt ends it too."""
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        while not loaded.exists():
+            try:
+                proc.wait(timeout=LOADED_POLL_S)
+                return proc.returncode  # ended before its model loaded
+            except subprocess.TimeoutExpired:
+                pass
+        gpu_memory.engine_loaded()
+        proc.wait()  # its end, as it comes, not at the next poll
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc.returncode
+
+
+def _check_chat_template(model_path: str, tasks: list[str], trust_remote_code: bool) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise EvaluationError(f"could not load the tokenizer of {model_path}: {one_line(e)}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise EvaluationError(f"{tasks} ask for apply_chat_template, but the tokenizer of {model_path}"
+                              " has no chat template")
+
+
+# --- task configs, resolved for the eval key -----------------------------------------------------------------
+
+
+def local_task_configs(suite: SuiteSpec) -> dict[str, list[LocalTaskConfig]]:
+    """Each suite task that lives in a local YAML: its leaf tasks (a group's or tag's members, else itself) with
+    their configs as lm-eval merges them. Built-in lm-eval tasks are left out."""
+    index = _local_index(suite)
+    return {t.name: _leaves(t.name, index) for t in suite.tasks if t.name in index}
+
+
+def _leaves(name: str, index: dict) -> list[LocalTaskConfig]:
+    entry = index.get(name)
+    if entry is None:
+        return []
+    if entry.yaml_path is None:  # a tag: the tasks that carry it
+        return [leaf for t in sorted(entry.tags) for leaf in _leaves(t, index)]
+    cfg = _read_yaml(Path(entry.yaml_path))
+    if isinstance(cfg.get("task"), list):  # a group
+        members = [m.get("task") if isinstance(m, dict) else m for m in cfg["task"]]
+        return [leaf for m in members if isinstance(m, str) for leaf in _leaves(m, index)]
+    return [LocalTaskConfig(name=name, yaml_path=str(entry.yaml_path), config=cfg)]
+
+
+def _include_paths(suite: SuiteSpec) -> list[str]:
+    extra = [t.include_path for t in suite.tasks if t.include_path]
+    return list(dict.fromkeys([str(LOCAL_TASKS_DIR), *extra]))
+
+
+def _local_index(suite: SuiteSpec) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=_include_paths(suite), include_defaults=False).task_index
+
+
+def _resolved_config(name: str, index: dict) -> Any:
+    entry = index.get(name)
+    if entry is None:
+        return None
+    if entry.yaml_path is None:  # a tag: the tasks that carry it
+        return {"tag": name, "tasks": {t: _resolved_config(t, index) for t in sorted(entry.tags)}}
+    cfg = _read_yaml(Path(entry.yaml_path))
+    if isinstance(cfg.get("task"), list):  # a group: fold in its members' configs
+        cfg["task"] = [_resolved_member(m, index) for m in cfg["task"]]
+    return cfg
+
+
+def _resolved_member(member: Any, index: dict) -> Any:
+    name = member.get("task") if isinstance(member, dict) else member
+    resolved = _resolved_config(name, index) if isinstance(name, str) else None
+    return member if resolved is None else {"member": member, "config": resolved}
+
+
+def _read_yaml(path: Path) -> dict:
+    """The YAML as lm-eval merges it (includes first, own keys win), each !function named with its file's hash."""
+
+    def function(loader: yaml.SafeLoader, node: yaml.Node) -> dict:
+        spec = loader.construct_scalar(node)
+        module = path.parent / (spec.rpartition(".")[0].replace(".", "/") + ".py")
+        digest = hashlib.sha256(module.read_bytes()).hexdigest() if module.is_file() else None
+        return {"!function": spec, "sha256": digest}
+
+    loader = type("FunctionLoader", (yaml.SafeLoader,), {})
+    loader.add_constructor("!function", function)
+    cfg = yaml.load(path.read_text(), Loader=loader)  # noqa: S506 - SafeLoader plus one tag
+    includes = cfg.pop("include", [])
+    merged: dict = {}
+    for inc in includes if isinstance(includes, list) else [includes]:
+        inc_cfg = _read_yaml(path.parent / inc)
+        inc_cfg.pop("task_list", None)
+        merged.update(inc_cfg)
+    return merged | cfg
+
+
+# --- the evaluation process ---------------------------------------------------------------------------------
+
+
+def _run(request: dict) -> dict:
+    import lm_eval
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    suite = SuiteSpec.model_validate(request["suite"])
+    paths = request["include_paths"]
+    # One task manager per distinct metadata: lm-eval merges a manager's metadata into every task it loads.
+    managers: dict[str, TaskManager] = {}
+    # simple_evaluate takes one limit, one protocol (few-shot, chat template, multiturn) and one task manager
+    # for all its tasks.
+    by_call: dict[tuple[int | None, str, int | None, bool, bool], list] = defaultdict(list)
+    for task in suite.tasks:
+        meta = json.dumps(task.metadata, sort_keys=True)
+        if meta not in managers:
+            managers[meta] = TaskManager(include_path=paths, include_defaults=request["builtin"],
+                                         metadata=dict(task.metadata) or None)
+        manager = managers[meta]
+        if task.name not in manager.task_index:
+            raise EvaluationError(f"unknown lm-eval task {task.name!r}: not in {paths} nor among lm-eval's built-in tasks")
+        try:
+            loaded = manager.load(task.name)
+        except Exception as e:
+            raise EvaluationError(f"task {task.name!r} could not be loaded: {one_line(e)}") from None
+        groups = loaded.get("groups", {})
+        call = (task.limit, meta, suite.num_fewshot_of(task), task.apply_chat_template, task.fewshot_as_multiturn)
+        by_call[call] += [groups[task.name]] if task.name in groups else list(loaded["tasks"].values())
+
+    backend = request["backend"]
+    model_args: dict[str, Any] = {
+        "pretrained": request["model_path"],
+        "dtype": request["dtype"],
+        "trust_remote_code": request["trust_remote_code"],
+    }
+    if (load_time := _load_time_model(request)) is not None:
+        # The hf backend takes a loaded model as `pretrained`. A quantization_config in model_args
+        # would not reach from_pretrained: HFLM passes its own (from the checkpoint's config) beside
+        # the model args, and Transformers 5 dropped load_in_4bit / load_in_8bit.
+        model_args = {"pretrained": load_time, "tokenizer": request["model_path"]}
+    elif backend == "vllm":
+        model_args |= shared_gpu_engine_args()
+    # vLLM picks its GPU from CUDA_VISIBLE_DEVICES and rejects a device argument.
+    extra = {"batch_size": request["batch_size"], "device": request["device"] if backend == "hf" else None}
+    try:
+        lm = get_model(backend).create_from_arg_obj(model_args, extra)
+    except Exception as e:
+        raise EvaluationError(f"could not load {request['model_path']} with lm-eval's {backend!r} backend: {one_line(e)}") from None
+    Path(request["loaded_file"]).touch()  # the parent tells the launcher: this engine's memory is taken
+
+    metrics: list[dict] = []
+    samples: list[dict] = []
+    protocols: dict[str, str] = {}
+    prompts: dict[str, str] = {}
+    for (limit, meta, num_fewshot, chat, multiturn), tasks in by_call.items():
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            apply_chat_template=chat,
+            fewshot_as_multiturn=multiturn,
+            log_samples=True,
+            task_manager=managers[meta],
+            bootstrap_iters=BOOTSTRAP_ITERS,
+        )
+        metrics += _metric_rows(results)
+        samples += _sample_rows(results)
+        # The few-shot count lm-eval used (a YAML may fix it, e.g. 0); a group's row takes its members' count.
+        shots = {t: c.get("num_fewshot") for t, c in results["configs"].items()}
+        group_shots = next(iter(shots.values()), num_fewshot)
+        protocols |= {t: protocol_label(shots.get(t, group_shots), chat, multiturn) for t in results["results"]}
+        prompts |= _example_prompt(results)
+    return {"metrics": metrics, "samples": samples, "protocols": protocols, "example_prompts": prompts}
+
+
+def _example_prompt(results: dict) -> dict[str, str]:
+    """The first prompt of the call's first task, as the model got it (few-shot examples, chat template): one
+    per protocol, so a reader sees how the numbers were asked for."""
+    for task, logged in results.get("samples", {}).items():
+        args = logged[0]["arguments"][0] if logged and logged[0]["arguments"] else None
+        if args and isinstance(args[0], str):
+            return {task: _compact(args[0], limit=PROMPT_CHARS)}
+    return {}
+
+
+# The KV cache of an evaluation engine: far more than lm-eval's longest request needs (a 1.5B model with
+# 2 KV heads stores ~28 KiB per token, so 300K tokens), a small share of an H200.
+EVAL_KV_CACHE_BYTES = 8 * 2**30
+# The free memory an evaluation engine asks for at start, as a share of the GPU (its weights and KV cache fit).
+EVAL_GPU_MEMORY_UTILIZATION = 0.12
+
+
+def shared_gpu_engine_args() -> dict[str, Any]:
+    """vLLM options for an evaluation engine that shares its GPU with other unmeasured jobs.
+
+    Quality and speed of a checkpoint do not share one engine start: lm-eval 0.4.13's vLLM backend cannot
+    take an engine already loaded (`VLLM.__init__` always builds `LLM(**model_args)` from a path, unlike its
+    hf backend, which takes a model object), and an evaluation may share a GPU with builds and other
+    evaluations while a speed measurement must run alone; so evaluations run side by side, then speed.
+    Scoring speed is not measured here: no torch.compile or CUDA-graph capture (a minute per start). A fixed
+    KV cache skips vLLM's free-memory profiling, which fails when another process on the GPU frees memory
+    meanwhile; the utilization then only sets the free memory vLLM checks for at start."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args: dict[str, Any] = {"enforce_eager": True, "gpu_memory_utilization": EVAL_GPU_MEMORY_UTILIZATION}
+    if "kv_cache_memory_bytes" in getattr(EngineArgs, "__dataclass_fields__", {}):
+        args["kv_cache_memory_bytes"] = EVAL_KV_CACHE_BYTES
+    else:  # an older vLLM: profile, with room left for the others
+        args["gpu_memory_utilization"] = 0.3
+    return args
+
+
+def start_memory_bytes(backend: str, device: str) -> int:
+    """The GPU memory an evaluation engine asks to find free at its start (vLLM's gpu_memory_utilization of the
+    GPU, which holds its weights and fixed KV cache for a model of a few billion parameters); 0 where nothing
+    checks (the hf backend, a CPU, no NVML)."""
+    if backend != "vllm" or device != "cuda":
+        return 0
+    return vllm_start_check_bytes(EVAL_GPU_MEMORY_UTILIZATION) or 0
+
+
+def _load_time_model(request: dict) -> Any:
+    """The model of a load-time (bitsandbytes) variant, quantized as Transformers loads the base; None
+    for an ordinary checkpoint folder."""
+    from quantgate.tasks.adapters import loadtime
+
+    if loadtime.descriptor(request["model_path"]) is None:
+        return None
+    if request["backend"] != "hf":
+        raise EvaluationError(f"a load-time (bitsandbytes) variant is evaluated with lm-eval's hf backend, not {request['backend']!r}")
+    try:
+        return loadtime.load_model(request["model_path"], device=request["device"], dtype=request["dtype"],
+                                   trust_remote_code=request["trust_remote_code"])
+    except Exception as e:
+        raise EvaluationError(f"could not load {request['model_path']} with its bitsandbytes config: {one_line(e)}") from None
+
+
+def _metric_rows(results: dict) -> list[dict]:
+    rows = []
+    for task, row in results["results"].items():
+        for key, value in row.items():
+            if "," not in key or "_stderr," in key:
+                continue
+            metric, filter_ = key.split(",", 1)
+            n = results["n-samples"].get(task, {}).get("effective", row.get("sample_len"))
+            version_ = results["versions"].get(task)
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "filter": filter_,
+                    # A NaN or infinite score is kept as it is: it says the model's outputs are not finite.
+                    "value": _number(value, keep_nonfinite=True),
+                    "stderr": _number(row.get(f"{metric}_stderr,{filter_}")),
+                    "n_samples": None if n is None else int(n),
+                    "task_version": None if version_ is None else str(version_),
+                    "higher_is_better": results["higher_is_better"].get(task, {}).get(metric),
+                }
+            )
+    return rows
+
+
+def _sample_rows(results: dict) -> list[dict]:
+    rows = []
+    for task, logged in results.get("samples", {}).items():
+        output_type = results["configs"][task]["output_type"]
+        for sample in logged:
+            detail = _detail(sample, output_type)
+            for metric in sample["metrics"]:
+                value, extra = sample[metric], {}
+                # Corpus-level metrics log a pair per doc and aggregate later: perplexities (loglikelihood,
+                # words or bytes), f1/mcc/bleu (gold, prediction). Only the first kind has a number per doc.
+                if isinstance(value, (list, tuple)):
+                    if output_type == "loglikelihood_rolling":
+                        value, extra = value[0], {"weight": _number(value[1])}
+                    else:
+                        value, extra = None, {"pair": _compact(value)}
+                rows.append(
+                    {
+                        "task": task,
+                        "doc_id": int(sample["doc_id"]),
+                        "metric": metric,
+                        # A NaN or infinite score is kept as it is: it says the model's outputs are not finite.
+                        "value": _number(value, keep_nonfinite=True),
+                        "detail": detail | extra,
+                        "filter": sample["filter"],
+                    }
+                )
+    return rows + _group_rows(results, rows)
+
+
+# Subtasks' documents number from 0 each; under their group, each subtask's come from its own block of ids.
+_GROUP_DOC_BLOCK = 1_000_000
+
+
+def _group_rows(results: dict, rows: list[dict]) -> list[dict]:
+    """Each group's items: its subtasks' rows again under the group's name (a subtask's doc ids offset by its
+    position), so that a gate on a group (MMLU's acc over all subjects) is judged item by item, paired
+    between base and variant, like any task. Groups averaged by size (weight_by_size, as qg_mmlu) are the mean
+    of exactly these items."""
+    out = []
+    for group, members in sorted(results.get("group_subtasks", {}).items()):
+        for i, member in enumerate(sorted(members)):
+            out += [{**r, "task": group, "doc_id": i * _GROUP_DOC_BLOCK + r["doc_id"],
+                     "detail": {**r["detail"], "subtask": member}} for r in rows if r["task"] == member]
+    return out
+
+
+def _detail(sample: dict, output_type: str) -> dict:
+    resps = sample["filtered_resps"]
+    detail: dict[str, Any] = {"target": _compact(sample["target"])}
+    if output_type == "multiple_choice":
+        detail["lls"] = [float(r[0]) for r in resps]
+    elif output_type == "loglikelihood":
+        detail |= {"ll": float(resps[0][0]), "greedy": bool(resps[0][1])}
+    elif output_type == "loglikelihood_rolling":
+        detail["ll"] = float(resps[0])
+    elif output_type == "generate_until":
+        detail |= {"response": _compact(sample["resps"][0][0]), "filtered": _compact(resps[0])}
+    return detail
+
+
+def _compact(value: Any, limit: int = 200) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + "…"
+    if isinstance(value, (list, tuple)):
+        return [_compact(v, limit) for v in value]
+    if isinstance(value, float):
+        return _number(value)
+    if isinstance(value, (bool, int)) or value is None:
+        return value
+    return _compact(str(value), limit)
+
+
+def _number(value: Any, keep_nonfinite: bool = False) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):  # lm-eval writes "N/A" where it has no stderr
+        return None
+    return x if keep_nonfinite or math.isfinite(x) else None
+
+
+def _main(request_file: str, result_file: str) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = _run(json.loads(Path(request_file).read_text()))
+    except EvaluationError as e:
+        out = {"error": str(e)}
+    except Exception as e:
+        log.exception("lm-eval failed")
+        out = {"error": one_line(e)}
+    Path(result_file).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])

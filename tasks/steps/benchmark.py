@@ -1,0 +1,414 @@
+"""Offline and latency speed of one checkpoint: engine × scenarios, each engine in a fresh spawned process
+(tasks/runtime/launch.in_process_group), its start retried with less memory when it runs out
+(tasks/adapters/speed/retry.py). The engine loads while other work may share the GPU and measures with the GPU alone
+(tasks/runtime/launch.measuring).
+
+A fresh process per engine start means engines never share a CUDA context or allocator state, and a
+crash, an out-of-memory kill or a hang costs that run's results ("failed", with a one-line reason), not
+the flow. Scenarios that need the same engine options may share one process (one engine start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import task
+
+from quantgate.catalog.errors import one_line
+from quantgate.catalog.records import SpeedResult
+from quantgate.catalog.scenarios import OfflineScenario, ScenarioSpec
+from quantgate.tasks.adapters import engines
+from quantgate.tasks.adapters.engines import Engine, EngineOptions, RequestTiming, cuda_available
+from quantgate.tasks.adapters.speed.checkpoint import text_config
+from quantgate.tasks.adapters.speed.errors import BenchmarkError
+from quantgate.tasks.adapters.speed.options import (
+    engine_options, resolve_device, sized_kv_cache, start_memory_bytes, wants_random_weights,
+)
+from quantgate.tasks.adapters.speed.prompts import Prompts, make_prompt_sets
+from quantgate.tasks.adapters.speed.retry import Failure, fallback_options, retry_on_oom
+from quantgate.tasks.adapters.speed.vllm_cli import compile_cache_from_log
+from quantgate.tasks.runtime import faults, launch
+from quantgate.tasks.runtime.telemetry import PassClocks, Telemetry, device_name, measure_bandwidth_gbps
+from quantgate.tasks.adapters.roofline import (
+    RooflineError, checkpoint_tensors, decode_weight_bytes, dequantized_tensors, kv_bytes_per_token, roofline_fraction,
+)
+
+
+def engine_sessions(
+    model_path: str, scenarios: Sequence[tuple[str, ScenarioSpec]], options: Mapping[str, Any] | None = None
+) -> list[list[tuple[str, ScenarioSpec]]]:
+    """(name, scenario) pairs grouped so that each group needs one engine start: same device, same engine
+    options. Groups keep the order of their first scenario; a group's scenarios keep theirs. The GPU suite's
+    steps are such groups, written out (flows/gpu_suite.check_steps holds them to it)."""
+    # Options hold dicts (a speculative config): compared, not hashed.
+    keys: list[tuple[str, EngineOptions]] = []
+    groups: list[list[tuple[str, ScenarioSpec]]] = []
+    for name, scenario in scenarios:
+        device = resolve_device(scenario.device)
+        key = (device, engine_options(scenario, device, options, dummy_weights=wants_random_weights(model_path, scenario)))
+        if key in keys:
+            groups[keys.index(key)].append((name, scenario))
+        else:
+            keys.append(key)
+            groups.append([(name, scenario)])
+    return groups
+
+
+def run_scenario(
+    model_path: str,
+    engine_name: str,
+    scenario_name: str,
+    scenario: ScenarioSpec,
+    *,
+    isolate: bool = True,
+    timeout_s: float = 3600.0,
+    options: Mapping[str, Any] | None = None,
+) -> SpeedResult:
+    """Measure one engine on one scenario. Never raises for engine trouble: the result says skipped or failed.
+
+    `options` overrides EngineOptions fields (e.g. gpu_memory_utilization, enforce_eager).
+    isolate=False runs in this process (debugging only: no timeout, and memory readings include the caller).
+    """
+    return run_scenarios(
+        model_path, engine_name, [(scenario_name, scenario)], isolate=isolate, timeout_s=timeout_s, options=options
+    )[0]
+
+
+def run_scenarios(
+    model_path: str,
+    engine_name: str,
+    scenarios: Sequence[tuple[str, ScenarioSpec]],
+    *,
+    isolate: bool = True,
+    timeout_s: float = 3600.0,
+    options: Mapping[str, Any] | None = None,
+    log_dir: str | Path | None = None,
+) -> list[SpeedResult]:
+    """Measure one engine on several (name, scenario) pairs after one engine start, in one process.
+
+    The scenarios must need the same engine options (BenchmarkError otherwise). If the engine start
+    runs out of GPU memory, vLLM is tried again with less (fallback_options); the results' config
+    records the options finally used and details["attempts"] the failed tries. A failure of one
+    scenario after the start fails that scenario alone. With `log_dir`, the engine process's output
+    (vLLM's engine core's too) goes to a file there per attempt, and a failure's reason names the
+    root cause found in it.
+    """
+    if not scenarios:
+        return []
+    if serving := [name for name, s in scenarios if s.kind == "serving"]:
+        raise BenchmarkError(f"{serving[0]!r} is a serving scenario: run it with tasks.speed.serving.serve_scenario")
+    first_name, first = scenarios[0]
+    device = resolve_device(first.device)
+    dummy = wants_random_weights(model_path, first)
+    opts = engine_options(first, device, options, dummy_weights=dummy)
+    for name, scenario in scenarios[1:]:
+        same = engine_options(scenario, device, options, dummy_weights=dummy) == opts
+        if resolve_device(scenario.device) != device or not same:
+            raise BenchmarkError(
+                f"scenarios {first_name!r} and {name!r} need different engine options; run them in separate processes"
+            )
+
+    def results(status: Literal["ok", "skipped", "failed"], reason: str | None, used: EngineOptions,
+                details: dict[str, Any] | None = None) -> list[SpeedResult]:
+        return [
+            SpeedResult(engine_name, name, status, reason, _config(scenario, used), details=dict(details or {}))
+            for name, scenario in scenarios
+        ]
+
+    if (why := engines.availability(engine_name, device)) is not None:
+        return results("skipped", why, opts)
+    if not Path(model_path).is_dir():
+        return results("failed", f"no model folder at {model_path}", opts)
+    if (why := _load_time_problem(model_path, engine_name, device)) is not None:
+        return results("skipped", why, opts)
+
+    needed_len = max(s.input_len + s.output_len for _, s in scenarios)
+    items = [s for _, s in scenarios]
+    if engine_name == "vllm":
+        opts = sized_kv_cache(opts, model_path, items)
+    deadline = time.monotonic() + timeout_s
+
+    def start(used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
+        log = Path(log_dir) / f"{engine_name}-{tried}.log" if log_dir and isolate else None
+        if isolate:
+            # A retry after running out of memory starts with the GPU alone: nothing else is loading then, and it
+            # is not admitted by memory.
+            status, payload = launch.in_process_group(
+                _measure_group, (model_path, engine_name, items, used),
+                deadline - time.monotonic() if tried else timeout_s, log, name=f"quantgate-bench-{engine_name}",
+                start_alone=tried > 0,
+                memory_bytes=0 if tried else start_memory_bytes(used, model_path, engine_name),
+            )
+        else:
+            try:
+                status, payload = "ok", _measure_group(model_path, engine_name, items, used)
+            except Exception as e:
+                status, payload = "failed", one_line(e)
+        return payload if status == "ok" else Failure(payload, log)
+
+    tried = retry_on_oom(fallback_options(opts, engine_name, needed_len), deadline, start)
+    used, attempts, payload = tried.used, tried.attempts, tried.value
+    # Every row of the group shares these starts: the one load, and one more per out-of-memory retry.
+    details: dict[str, Any] = {"engine_starts": tried.engine_starts}
+    if isolate and (waited := launch.memory_wait_s()):
+        details["memory_wait_s"] = round(waited, 3)
+    if attempts:
+        details["attempts"] = attempts
+    if engine_name == "vllm" and log_dir and isolate:
+        if compiled := compile_cache_from_log(Path(log_dir) / f"{engine_name}-{len(attempts)}.log"):
+            details["compile_cache"] = compiled
+    if payload is None:
+        return results("failed", tried.error, used, details)
+
+    out = []
+    for (name, scenario), (one_status, measured) in zip(scenarios, payload, strict=True):
+        config = _config(scenario, used)
+        if one_status != "ok":
+            out.append(SpeedResult(engine_name, name, "failed", measured, config, details=dict(details)))
+            continue
+        measured = {**measured, "details": {**details, **measured.get("details", {})}}
+        out.append(SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured)))
+    faults.point("benchmark")
+    return out
+
+
+def _load_time_problem(model_path: str, engine_name: str, device: str) -> str | None:
+    """Why a load-time (bitsandbytes) variant cannot run on this engine and device, or None (also for
+    ordinary checkpoints)."""
+    from quantgate.tasks.adapters import loadtime
+
+    if loadtime.descriptor(model_path) is None:
+        return None
+    if engine_name == "vllm":
+        return loadtime.vllm_problem(model_path)
+    return loadtime.unavailable(device)
+
+
+def _config(scenario: ScenarioSpec, used: EngineOptions) -> dict[str, Any]:
+    return {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
+
+
+def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: dict[str, Any]) -> dict[str, Any]:
+    """What the parent adds to a child's measurement: KV-cache bytes and the roofline, which need only
+    the checkpoint's config and headers."""
+    out = dict(measured)
+    config = text_config(model_path)
+    if out.get("kv_cache_tokens") and config:
+        dtype_bytes = 4 if used.dtype == "float32" else 2
+        out["kv_cache_bytes"] = out["kv_cache_tokens"] * kv_bytes_per_token(config, dtype_bytes)
+    from quantgate.tasks.adapters.loadtime import descriptor
+
+    if out.get("decode_tokens_per_s") and out.get("bandwidth_gbps") and descriptor(model_path) is not None:
+        # Its folder holds the base's config, whose layout would count 16-bit weights: not what is read.
+        out["details"] = {**out.get("details", {}), "roofline": "not computed for a load-time (bitsandbytes) variant"}
+    elif out.get("decode_tokens_per_s") and out.get("bandwidth_gbps"):
+        # Transformers decompresses a quantized checkpoint on load and then reads 16-bit weights.
+        dequantized = engine_name == "transformers" and bool(config and config.get("quantization_config"))
+        try:
+            tensors = dequantized_tensors(model_path) if dequantized else checkpoint_tensors(model_path)
+            weight_bytes = decode_weight_bytes(tensors)
+        except (RooflineError, OSError, ValueError) as e:
+            out["details"] = {**out.get("details", {}), "roofline": str(e)}
+        else:
+            out["weight_bytes_per_token"] = weight_bytes
+            if dequantized:
+                out["details"] = {**out.get("details", {}), "weights_read": "decompressed to 16 bits on load"}
+            # Each of tensor_parallel_size GPUs streams its shard over its own memory.
+            out["roofline_fraction"] = roofline_fraction(
+                out["decode_tokens_per_s"], weight_bytes, out["bandwidth_gbps"] * used.tensor_parallel_size
+            )
+    return out
+
+
+def speed_environment() -> dict[str, Any]:
+    """What speed depends on besides the checkpoint and the scenario: the libraries that run it, and the
+    device: every visible GPU's name and the driver (NVML), or the CPU."""
+    import platform
+
+    if cuda_available():
+        import torch
+
+        versions = _versions("vllm", "cuda")
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001 - no NVML: the GPU names and CUDA version still say what ran
+            driver = None
+        return {"versions": versions, "gpus": gpus, "driver": driver}
+    versions = _versions("vllm", "cpu")
+    return {"versions": versions, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+
+
+def _measure_group(
+    model_path: str, engine_name: str, scenarios: list[ScenarioSpec], opts: EngineOptions
+) -> list[tuple[str, Any]]:
+    """Load the engine once and measure each scenario: ("ok", measurements) or ("failed", reason) each.
+    An exception here (the load) fails them all."""
+    faults.point("measure")  # in the engine's own process when isolated: where an interrupt test holds it
+    prompt_sets = [make_prompt_sets(s, model_path, s.warmup + s.repetitions) for s in scenarios]
+    engine = engines.create(engine_name)
+    out: list[tuple[str, Any]] = []
+    # GPU memory of this process group (the engine and vLLM's engine core): other jobs may share the GPU.
+    with Telemetry(opts.device, group=os.getpgrp()) as telemetry:
+        engine.load(model_path, opts)
+        # Loaded: no NVML polling while it waits for the GPU or measures (Telemetry.still says why).
+        with telemetry.still(), launch.measuring() as window:
+            try:
+                for scenario, sets in zip(scenarios, prompt_sets, strict=True):
+                    began = datetime.now(timezone.utc)
+                    try:
+                        measured = _measure_one(engine, scenario, sets, telemetry, opts)
+                        measured["details"].update(window.details(began))
+                        out.append(("ok", measured))
+                    except Exception as e:
+                        out.append(("failed", one_line(e)))
+            finally:
+                engine.close()
+            # Measured last, on a GPU the engine has let go of: the ceiling the latency runs are held against.
+            if opts.device == "cuda" and any(s.kind == "latency" for s in scenarios):
+                _add_bandwidth(scenarios, out)
+    return out
+
+
+def _add_bandwidth(scenarios: list[ScenarioSpec], out: list[tuple[str, Any]]) -> None:
+    bandwidth, problem = None, None
+    try:
+        bandwidth = measure_bandwidth_gbps()
+    except Exception as e:  # the latency results stand without their roofline
+        problem = one_line(e)
+    for scenario, (status, measured) in zip(scenarios, out, strict=True):
+        if status == "ok" and scenario.kind == "latency":
+            measured["bandwidth_gbps"] = bandwidth
+            if problem:
+                measured["details"]["bandwidth"] = problem
+
+
+def _measure_one(
+    engine: Engine, scenario: ScenarioSpec, prompt_sets: list[Prompts], telemetry: Telemetry, opts: EngineOptions
+) -> dict[str, Any]:
+    telemetry.reset_peaks()
+    before = engine.stats()
+    for prompts in prompt_sets[: scenario.warmup]:
+        _workload(engine, prompts, scenario)
+    mid = engine.stats()
+    reps = [_repetition(engine, prompts, scenario, telemetry) for prompts in prompt_sets[scenario.warmup :]]
+    after = engine.stats()
+    prompts = prompt_sets[0]
+    per_token_j = [r["energy_j"] / r["output_tokens"] if r["energy_j"] is not None else None for r in reps]
+    tpot_ms = _median([r["tpot_ms"] for r in reps])
+    details: dict[str, Any] = {}
+    if "spec_decode_draft_tokens" in after:
+        # Over the measured repetitions only.
+        drafted = after["spec_decode_draft_tokens"] - mid["spec_decode_draft_tokens"]
+        accepted = after["spec_decode_accepted_tokens"] - mid["spec_decode_accepted_tokens"]
+        details["spec_decode"] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                                  "acceptance_rate": accepted / drafted if drafted else None}
+    return {
+        "device": device_name(opts.device),
+        "num_requests": len(prompts),
+        "input_tokens": _median([r["input_tokens"] for r in reps]),
+        "output_tokens": _median([r["output_tokens"] for r in reps]),
+        "tokens_per_s": _median([r["tokens_per_s"] for r in reps]),
+        "total_tokens_per_s": _median([r["total_tokens_per_s"] for r in reps]),
+        "requests_per_s": _median([r["requests_per_s"] for r in reps]),
+        "ttft_ms": _median([r["ttft_ms"] for r in reps]),
+        "tpot_ms": tpot_ms,
+        "e2el_ms": _median([r["e2el_ms"] for r in reps]),
+        # Batch 1 only: one sequence's decode speed is what the roofline bounds.
+        "decode_tokens_per_s": 1000 / tpot_ms if scenario.kind == "latency" and tpot_ms else None,
+        "peak_memory_bytes": telemetry.peak_memory_bytes,
+        "nvml_peak_bytes": telemetry.nvml_peak_bytes,
+        # 0 when this process's torch never allocated: vLLM's allocator lives in its engine-core process.
+        "torch_peak_bytes": telemetry.torch_peak_bytes or None,
+        "kv_cache_tokens": before.get("kv_cache_tokens"),
+        "energy_j_per_token": _median(per_token_j),
+        "repetitions": reps,
+        "versions": _versions(engine.name, opts.device),
+        "details": details,
+    }
+
+
+def _workload(engine: Engine, prompts: Prompts, scenario: ScenarioSpec) -> tuple[float, list[RequestTiming]]:
+    """All prompts once: one at a time ("latency"), or ("offline") all in one call to an engine that
+    schedules them itself (as `vllm bench throughput` does), else in static batches of batch_size.
+    Each request is timed from the start of its own generate call."""
+    if isinstance(scenario, OfflineScenario):
+        size = len(prompts) if engine.continuous_batching else scenario.batch_size
+    else:
+        size = 1
+    timings: list[RequestTiming] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), size):
+        generation = engine.generate(prompts[i : i + size], scenario.output_len, temperature=scenario.temperature)
+        got = generation.output_tokens
+        if any(n != scenario.output_len for n in got):
+            raise BenchmarkError(f"{engine.name} generated {got} tokens per sequence, expected {scenario.output_len}")
+        timings += generation.requests
+    return time.perf_counter() - start, timings
+
+
+def _repetition(
+    engine: Engine, prompts: Prompts, scenario: ScenarioSpec, telemetry: Telemetry
+) -> dict[str, Any]:
+    before = telemetry.energy_mj()
+    with PassClocks() as clocks:
+        wall, timings = _workload(engine, prompts, scenario)
+    after = telemetry.energy_mj()
+    out = sum(t.output_tokens for t in timings)
+    prompt_tokens = sum(t.prompt_tokens for t in timings)
+    # A counter that did not move over a very short run says nothing, so it is not reported as 0 J.
+    energy_j = (after - before) / 1000 if before is not None and after is not None and after > before else None
+    return {
+        "wall_s": wall,
+        "input_tokens": prompt_tokens,
+        "output_tokens": out,
+        "tokens_per_s": out / wall,
+        "total_tokens_per_s": (prompt_tokens + out) / wall,
+        "requests_per_s": len(timings) / wall,
+        "ttft_ms": _ms(_median([t.ttft_s for t in timings])),
+        "tpot_ms": _ms(_median([t.tpot_s for t in timings])),
+        "e2el_ms": _ms(_median([t.e2el_s for t in timings])),
+        "energy_j": energy_j,
+        # Where the time of a CPU-bound pass went (telemetry.PassClocks), and the GPU's clock as it ended.
+        **clocks.figures(),
+        "sm_clock_mhz": telemetry.sm_clock_mhz(),
+    }
+
+
+def _median(values: list[Any]) -> Any:
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.median(values)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _versions(engine_name: str, device: str) -> dict[str, str]:
+    names = ["torch", "transformers", "compressed-tensors"] + (["vllm"] if engine_name == "vllm" else [])
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if device == "cuda":
+        import torch
+
+        versions["cuda"] = str(torch.version.cuda)
+    return versions
+
+
+benchmark_task = task(run_scenarios, name="benchmark", tags=["benchmark"])

