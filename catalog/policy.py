@@ -19,6 +19,11 @@ class QualityGate(Strict):
     # An optional gate (required: false) is checked where its metric has a recovery; where it does not
     # (the suite lacks the task, or the base scores 0 so no ratio exists) it is noted, not failed.
     required: bool = True
+    # What the threshold applies to: `plain` recovery (variant ÷ base) or recovery `above_chance`
+    # ((variant − chance) ÷ (base − chance)), where the metric has a chance level (multiple choice: 1 / choices
+    # per item; exact match: 0). Above chance reads a multiple-choice loss at its real size: from 0.40 to 0.35
+    # on 4 choices is 0.875 plain but 0.67 above chance, a third of the skill over guessing gone.
+    recovery: Literal["plain", "above_chance"] = "plain"
 
 
 class SpeedGate(Strict):

@@ -165,7 +165,9 @@ class SpeedResult:
 Verdict = Literal["accept", "reject", "inconclusive"]
 CheckKind = Literal["build", "quality", "speed", "serving", "size"]
 # not_measured: no evidence either way (an engine not run, an optional gate without a recovery).
-CheckOutcome = Literal["pass", "fail", "inconclusive", "not_measured"]
+# uninformative: measured, but the base is not clearly above the metric's chance level there, so the metric
+# cannot tell what a build kept: it never passes, fails or decides.
+CheckOutcome = Literal["pass", "fail", "inconclusive", "not_measured", "uninformative"]
 
 
 @dataclass(frozen=True)

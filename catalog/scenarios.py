@@ -95,6 +95,18 @@ def sweep_label(point: dict[str, Any]) -> str:
     return ",".join(f"{k}={point[k]}" for k in sorted(point)) or "default"
 
 
+class Sampling(Strict):
+    """How each next token is picked, applied the same way by every engine: greedy at temperature 0, else sampled
+    at `temperature` from the `top_p` nucleus of the `top_k` most likely tokens (0: no top-k)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+GREEDY = Sampling()
+
+
 class ScenarioBase(Strict):
     """What every speed workload has: the same prompts and output lengths for every engine (EOS ignored), the
     engines, and the levers of the engine they start. A scenario is one of the kinds below (`ScenarioSpec`)."""
@@ -110,10 +122,13 @@ class ScenarioBase(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_prefix_caching: bool = False
     seed: int = 0
-    # 0: greedy. Above 0: sampling at this temperature with top-p 1 and no top-k, as `vllm bench throughput`
-    # does (always 1.0), so a cross-checked scenario runs the bench's sampler. Only the sampler's cost changes:
-    # EOS is ignored, so every request still yields output_len tokens.
+    # 0: greedy. Above 0: sampling at this temperature, with `top_p` (nucleus) and `top_k` (0: off), the same
+    # on every engine; `vllm bench throughput` always samples at temperature 1.0, top-p 1, no top-k, so only
+    # such a scenario is cross-checked. Only the sampler's cost changes: EOS is ignored, so every request still
+    # yields output_len tokens.
     temperature: float = Field(default=0.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
     # None: input_len + output_len. Scenarios that share an engine process must agree on it.
     max_model_len: int | None = Field(default=None, ge=2)
     # The first shared_prefix_len tokens of every prompt are the same (a common system prompt).
@@ -134,6 +149,10 @@ class ScenarioBase(Strict):
     # to 16 bits as it loads it, so a variant under it runs the base's kernels: its figure says nothing of the
     # variant, and the vLLM-over-Transformers ratio is the base's.
     base_only_engines: tuple[EngineName, ...] = ()
+    # Transformers on a compressed-tensors variant (AWQ, GPTQ, INT8, FP8 builds of llm-compressor) decompresses
+    # it to 16 bits as it loads, so it would time the base's kernels again: such a row is skipped with that
+    # reason unless the scenario asks for it (e.g. to measure what decompression costs at load).
+    transformers_decompressed: bool = False
 
     @field_validator("repetitions")
     @classmethod
@@ -158,6 +177,8 @@ class ScenarioBase(Strict):
             raise ValueError(f"max_model_len {self.max_model_len} is below input_len + output_len ({needed})")
         if stray := [e for e in self.base_only_engines if e not in self.engines]:
             raise ValueError(f"base_only_engines {stray} are not among the scenario's engines {list(self.engines)}")
+        if self.temperature == 0 and (self.top_p != 1 or self.top_k):
+            raise ValueError("top_p and top_k shape sampling: set a temperature above 0 (0 is greedy)")
         if self.transformers_compile and "transformers" not in self.engines:
             raise ValueError("transformers_compile needs the transformers engine in engines")
         for lever, on in (("speculative", self.speculative), ("tensor_parallel_size", self.tensor_parallel_size > 1)):
@@ -168,6 +189,10 @@ class ScenarioBase(Strict):
     @property
     def model_len(self) -> int:
         return self.max_model_len or self.input_len + self.output_len
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
 class OfflineScenario(ScenarioBase):
@@ -268,9 +293,10 @@ BENCH_TEMPERATURE = 1.0
 
 def bench_mismatch(scenario: ScenarioSpec) -> str | None:
     """Why `vllm bench throughput` would not run the scenario's config, or None."""
-    if scenario.temperature != BENCH_TEMPERATURE:
-        return (f"vllm bench throughput samples at temperature {BENCH_TEMPERATURE:g} (top-p 1), the scenario at"
-                f" {scenario.temperature:g}: cross-check a twin of it with temperature: {BENCH_TEMPERATURE:g}")
+    if scenario.temperature != BENCH_TEMPERATURE or scenario.top_p != 1 or scenario.top_k:
+        return (f"vllm bench throughput samples at temperature {BENCH_TEMPERATURE:g} (top-p 1, no top-k), the"
+                f" scenario at {scenario.temperature:g} (top-p {scenario.top_p:g}, top-k {scenario.top_k or 'off'}):"
+                f" cross-check a twin of it with temperature: {BENCH_TEMPERATURE:g} and neither")
     if not isinstance(scenario, OfflineScenario) or scenario.prompt_input != "text":
         return ("vllm bench throughput tokenizes its random dataset's text prompts inside each timed pass: "
                 "cross-check a twin of the scenario with prompt_input: text")

@@ -115,6 +115,8 @@ def _verdict(row: dict) -> dict:
     against its threshold; none for an accept), size and speedup over the base."""
     if row["deciding_check"] is None:
         deciding = "every check passed" if row["decision"] == "accept" else row["reason"].split(": ", 1)[-1]
+    elif row["deciding_value"] is None:  # a check with no figure of its own, e.g. no informative quality gate
+        deciding = row["deciding_check"]
     else:
         deciding = f"{row['deciding_check']} {_cell(row['deciding_value'])}"
         if row["deciding_threshold"] is not None:

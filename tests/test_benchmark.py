@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from quantgate.catalog.scenarios import LatencyScenario, OfflineScenario
+from quantgate.catalog.scenarios import LatencyScenario, OfflineScenario, Sampling
 from quantgate.tasks.adapters.engines import EngineError, EngineOptions, create
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
 from quantgate.tasks.adapters.speed.prompts import make_prompt_sets, make_prompts
@@ -179,13 +179,27 @@ def test_sampling_keeps_the_fixed_length_and_leaves_greedy_alone(engine):
     prompts = [engine._tokenizer(line)["input_ids"] for line in LINES]
     greedy = engine.generate(prompts, 8).token_ids
     torch.manual_seed(0)
-    sampled = engine.generate(prompts, 8, temperature=1.0)
+    sampled = engine.generate(prompts, 8, sampling=Sampling(temperature=1.0))
 
     assert sampled.output_tokens == [8, 8, 8]
     assert sampled.token_ids != greedy  # 24 draws at temperature 1 over a 512-token vocabulary
     assert engine.generate(prompts, 8).token_ids == greedy
     r = run_scenario(str(TINY), "transformers", "sampled", SMALL.model_copy(update={"temperature": 1.0}), isolate=False)
     assert r.status == "ok" and r.output_tokens == 4 * 3 * 8 // 3 and r.config["temperature"] == 1.0
+
+
+def test_top_k_and_top_p_reach_the_sampler(engine):
+    """Sampling from the single most likely token, by top-k 1 or by a nucleus too small for a second one, is
+    greedy at any temperature; top-k 2 is not."""
+    prompts = [engine._tokenizer(line)["input_ids"] for line in LINES]
+    greedy = engine.generate(prompts, 8).token_ids
+    torch.manual_seed(0)
+    assert engine.generate(prompts, 8, sampling=Sampling(temperature=2.0, top_k=1)).token_ids == greedy
+    assert engine.generate(prompts, 8, sampling=Sampling(temperature=2.0, top_p=1e-6)).token_ids == greedy
+    assert engine.generate(prompts, 8, sampling=Sampling(temperature=2.0, top_k=2)).token_ids != greedy
+    r = run_scenario(str(TINY), "transformers", "nucleus",
+                     SMALL.model_copy(update={"temperature": 0.7, "top_p": 0.9, "top_k": 20}), isolate=False)
+    assert r.status == "ok" and (r.config["top_p"], r.config["top_k"]) == (0.9, 20)
 
 
 def test_counts_stop_at_eos_per_sequence(engine, tmp_path):

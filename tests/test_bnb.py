@@ -159,7 +159,7 @@ import json, sys
 sys.modules["bitsandbytes"] = None  # `import bitsandbytes` now raises ImportError, as where it is not installed
 from dataclasses import asdict
 from quantgate.catalog.variants import VariantSpec
-from quantgate.tasks import quantize
+from quantgate.tasks.steps import quantize
 from quantgate.catalog.records import ModelArtifact
 model = ModelArtifact("stories260k", sys.argv[1], "local", None, "0" * 64)
 v = quantize.build_variant(model, VariantSpec(name="bnb-nf4", method="bnb", scheme="nf4"), None, sys.argv[2])

@@ -200,3 +200,17 @@ def test_a_rerun_of_a_build_is_a_cache_hit_without_computing_its_key(tiny_model,
     monkeypatch.setattr(quantize, "recipe_for", _recomputed)
     run, _, again = fetch_and_build(str(tiny_model), str(root))
     assert task_states(run)["quantize tiny/int8-w8a16"] == ["Cached"] and again.reused and again.uid == built.uid
+
+
+def test_a_key_names_the_record_it_caches_so_a_moved_record_misses_instead_of_failing(tiny_model, tmp_path,
+                                                                                      monkeypatch):
+    """Cached results are pickled: after a record class moves (as quantgate.tasks.records did to
+    quantgate.catalog.records) a key of the old shape would hit a result that cannot be unpickled, and fail the
+    step. Each key names its record's module, class and fields, so such a record misses and is made anew."""
+    spec = ModelSpec(id="tiny", source=LocalSource(path=str(tiny_model)), variants=("int8-w8a16",), suite="s")
+    model = ModelArtifact("tiny", str(tiny_model), "local", None, "ab" * 20)
+    assert caching.record_identity(ModelArtifact).startswith("quantgate.catalog.records.ModelArtifact(model_id,")
+    keys = (download_key(spec, tmp_path), quantize_key(model, INT8, TextCalibration()))
+    monkeypatch.setattr(caching, "record_identity", lambda cls: f"quantgate.tasks.records.{cls.__qualname__}()")
+    moved = (download_key(spec, tmp_path), quantize_key(model, INT8, TextCalibration()))
+    assert all(k is not None for k in keys) and keys[0] != moved[0] and keys[1] != moved[1]

@@ -301,3 +301,67 @@ def test_speed_is_judged_on_its_passes_range_and_is_inconclusive_where_it_spans_
     # One pass on either side is no range: the ratio of the two figures decides, as before.
     one = decide(VARIANT, 100, rec(0.99), passes(1.02, 1.02, 1.02, n=1), POLICY)
     assert one.decision == "accept" and "speedup 1.02x >= 1.0x" in one.reason
+
+
+def with_chance(rows, chance):
+    """Rows of variant_recovery as the view gives them for a task with a chance level."""
+    return [{**r, "chance": chance,
+             "recovery_above_chance": (r["variant_value"] - chance) / (r["base_value"] - chance)} for r in rows]
+
+
+def test_a_gate_whose_base_is_at_chance_is_uninformative_and_never_decides():
+    # 2-choice items, base right on 52 of 100: not clearly above 0.5, so the ratio says nothing of the build.
+    base = [1] * 52 + [0] * 48
+    variant = [1] * 40 + [0] * 60
+    recovery, samples, flips = piqa(base, variant)
+    d = decide(VARIANT, 100, with_chance(recovery, 0.5), [], ACC_POLICY, samples, flips)
+    piqa_check = next(c for c in d.checks if c.name == "qg_piqa/acc")
+    assert piqa_check.outcome == "uninformative" and piqa_check.value is None
+    assert "qg_piqa/acc uninformative: base 0.52 vs chance 0.5" in piqa_check.note
+    assert "qg_piqa cannot measure this model" in piqa_check.note
+    assert piqa_check.detail["base_margin"] == pytest.approx(0.02) and piqa_check.detail["base_margin_lower"] < 0
+    # With no informative quality gate left, the verdict is inconclusive and says why; a failed size still rejects.
+    assert d.decision == "inconclusive"
+    assert d.checks[-2].name == "no informative quality gate" and d.checks[-2].outcome == "inconclusive"
+    assert "no informative quality gate (qg_piqa/acc at chance for the base)" in d.reason
+    assert decide({**VARIANT, "size_bytes": 90}, 100, with_chance(recovery, 0.5), [], ACC_POLICY, samples,
+                  flips).decision == "reject"
+
+
+def test_a_base_clearly_above_chance_is_judged_as_before():
+    base = [1] * 80 + [0] * 20
+    variant = [1] * 79 + [0] * 21
+    recovery, samples, flips = piqa(base, variant)
+    plain = decide(VARIANT, 100, recovery, [], ACC_POLICY, samples, flips)
+    informed = decide(VARIANT, 100, with_chance(recovery, 0.5), [], ACC_POLICY, samples, flips)
+    assert informed.checks[0].outcome == plain.checks[0].outcome != "uninformative"
+    assert informed.checks[0].value == pytest.approx(plain.checks[0].value)
+    assert informed.checks[0].detail["base_margin"] == pytest.approx(0.3)
+
+
+def test_only_informative_gates_decide_when_some_are_at_chance():
+    policy = Policy.model_validate({**ACC_POLICY.model_dump(), "quality": [
+        ACC_POLICY.quality[0].model_dump(),
+        {"task": "ppl", "metric": "word_perplexity", "min_recovery": 0.95, "higher_is_better": False}]})
+    recovery, samples, flips = piqa([1] * 51 + [0] * 49, [1] * 51 + [0] * 49)
+    d = decide(VARIANT, 100, with_chance(recovery, 0.5) + rec(0.40), [], policy, samples, flips)
+    assert d.decision == "reject" and d.checks[0].outcome == "uninformative"
+    assert "no informative quality gate" not in d.reason
+    assert d.quality_recovery == pytest.approx(0.40)  # the uninformative ratio (1.0) is not the quality figure
+
+
+def test_recovery_above_chance_reads_a_multiple_choice_loss_at_its_size():
+    # 4 choices, base 0.40, variant 0.35: plain 0.875, above chance (0.35 - 0.25) / (0.40 - 0.25) = 0.667.
+    base = [1] * 400 + [0] * 600
+    variant = [1] * 350 + [0] * 650
+    recovery, samples, flips = piqa(base, variant)
+    gates = [{**ACC_POLICY.quality[0].model_dump(), "min_recovery": 0.8, "recovery": basis}
+             for basis in ("plain", "above_chance")]
+    plain, above = (decide(VARIANT, 100, with_chance(recovery, 0.25), [],
+                           Policy.model_validate({**ACC_POLICY.model_dump(), "quality": [g]}), samples, flips)
+                    for g in gates)
+    assert plain.checks[0].value == pytest.approx(0.875) and plain.checks[0].outcome == "pass"
+    assert above.checks[0].value == pytest.approx(2 / 3) and above.checks[0].outcome == "fail"
+    assert above.checks[0].upper < 0.8 < plain.checks[0].lower
+    assert "qg_piqa/acc recovery above chance 0.6667" in above.reason and "chance 0.25" in above.reason
+    assert above.checks[0].detail["recovery_basis"] == "above_chance"

@@ -65,11 +65,16 @@ def test_first_run_stores_every_stage(two_runs):
         assert passkey[0] == 20 and 0 <= passkey[1] <= passkey[2] <= 1
         # Every checkpoint has its speed rows (stg_speed_results); AWQ and GPTQ W4A16 g32 share a format (the same
         # config, quantization layout and shapes), so one of them was measured for both: 4 measured, 5 judged.
-        speed = store.rows(con, "SELECT engine, status, reason, output_tokens FROM stg_speed_results WHERE run_id = ?",
-                           [run_id])
-        transformers = [r for r in speed if r["engine"] == "transformers"]
-        assert len(transformers) == 5 and all(r["status"] == "ok" for r in transformers)
-        assert {r["output_tokens"] for r in transformers} == {4 * 8}  # 4 prompts x 8 tokens, EOS ignored
+        # Transformers times the base and the bitsandbytes build; the compressed-tensors builds it would decompress
+        # to 16 bits (the base's kernels again) are skipped with that reason.
+        speed = store.rows(con, "SELECT v.name, s.engine, s.status, s.reason, s.output_tokens FROM stg_speed_results s"
+                                " JOIN variants v USING (variant_uid) WHERE s.run_id = ?", [run_id])
+        transformers = {r["name"]: r for r in speed if r["engine"] == "transformers"}
+        assert len(transformers) == 5
+        assert {n for n, r in transformers.items() if r["status"] == "ok"} == {"base", "bnb-nf4"}
+        assert all(r["status"] == "skipped" and "decompresses this compressed-tensors checkpoint" in r["reason"]
+                   for n, r in transformers.items() if n not in ("base", "bnb-nf4"))
+        assert {transformers[n]["output_tokens"] for n in ("base", "bnb-nf4")} == {4 * 8}  # 4 prompts x 8, EOS ignored
         vllm = [r for r in speed if r["engine"] == "vllm"]
         assert len(vllm) == 5 and all(r["status"] == "skipped" and "vllm" in r["reason"] for r in vllm)
         assert con.execute("SELECT count(DISTINCT variant_uid) FROM speed_results WHERE run_id = ?",
@@ -91,7 +96,9 @@ def test_policy_judges_4bit_and_rejects_2bit_on_confidence_bounds(two_runs):
         assert row["flip_rate"] is not None
         assert 0 < row["kl"] < w2["kl"]  # token-level KL from base: 2-bit drifts much further
         assert "speed vllm/gpu-throughput not measured" in row["reason"]
-        assert row["speedup"] is not None and row["speedup_basis"] == "transformers/tiny-offline"
+        # On a CPU only Transformers runs, and it would time these compressed-tensors builds decompressed (the
+        # base's kernels again): no speedup is claimed for them.
+        assert row["speedup"] is None
         assert "95% CI [" in row["reason"] and row["min_detectable_drop"] is not None
     # Its own policy (catalog/policy-tiny.yaml) gates cross-entropy only: the model is at chance on piqa.
     # Calibrated on text no suite evaluates (the standard library), 4-bit GPTQ of this 260K-parameter model
@@ -101,6 +108,33 @@ def test_policy_judges_4bit_and_rejects_2bit_on_confidence_bounds(two_runs):
     assert gptq["decision"] in ("reject", "inconclusive"), gptq["reason"]
     assert gptq["quality_lower_bound"] < 0.95 and 0.9 < gptq["quality_recovery"] < 0.96
     assert gptq["reason"].startswith(f"{gptq['decision']}: qg_simple_stories/bits_per_byte recovery")
+
+
+def test_under_the_default_policy_piqa_is_uninformative_for_a_base_at_chance(two_runs):
+    """stories260k scores about 0.5 on 2-choice piqa: under the default policy (which gates piqa) that gate is
+    uninformative for every variant, with its chance level from the stored items, and decides nothing."""
+    from quantgate.catalog.load import load_catalog
+    from quantgate.tasks.steps.decide import decide
+
+    wh, _, _, _ = two_runs
+    policy = load_catalog().policy
+    assert ("qg_piqa", "acc") in {(g.task, g.metric) for g in policy.quality}
+    with store.session(wh, read_only=True) as con:
+        run_id = con.execute("SELECT run_id FROM runs ORDER BY started_at LIMIT 1").fetchone()[0]
+        piqa = store.rows(con, "SELECT chance, base_value, recovery, recovery_above_chance FROM variant_recovery"
+                               " WHERE run_id = ? AND task = 'qg_piqa' AND metric = 'acc'", [run_id])
+        evidence = store.decision_evidence(con, run_id, [(g.task, g.metric) for g in policy.quality])
+        base_size = con.execute("SELECT size_bytes FROM variants WHERE name = 'base'").fetchone()[0]
+    assert len(piqa) == 4 and {r["chance"] for r in piqa} == {0.5}  # piqa's two solutions per item
+    assert all(r["recovery_above_chance"] == pytest.approx((r["recovery"] * r["base_value"] - 0.5)
+                                                           / (r["base_value"] - 0.5)) for r in piqa)
+    for row in evidence.variants:
+        d = decide(row, base_size, policy=policy, **evidence.of(row["variant_uid"]))
+        check = next(c for c in d.checks if c.name == "qg_piqa/acc")
+        assert check.outcome == "uninformative", check.note
+        assert re.search(r"qg_piqa/acc uninformative: base 0\.\d+ vs chance 0\.5 .*qg_piqa cannot measure this"
+                         r" model", check.note)
+        assert "no informative quality gate" not in d.reason  # bits per byte has no chance level: it decides
 
 
 def test_bitsandbytes_nf4_goes_through_every_stage_on_cpu(two_runs):

@@ -226,7 +226,8 @@ def _tiny_suite(tmp_path: Path) -> Path:
     suite["shapes"]["tiny"] = {"preset": "qwen2.5-7b-instruct", "overrides": TINY_QWEN}
     suite["builds"]["w4a16-g32"] = {"quant": "w4a16", "group_size": 32}
     cpu = {"kind": "offline", "engines": ["transformers"], "device": "cpu", "weights": "dummy", "num_prompts": 2,
-           "input_len": 8, "output_len": 4, "batch_size": 2, "warmup": 0, "repetitions": 1}
+           "input_len": 8, "output_len": 4, "batch_size": 2, "warmup": 0, "repetitions": 1,
+           "transformers_decompressed": True}  # the W4A16 dummy build is timed too (the suite's steps under test)
     suite["scenarios"]["cpu-offline"] = cpu
     suite["scenarios"]["cpu-latency"] = {**{k: v for k, v in cpu.items() if k != "batch_size"}, "kind": "latency"}
     suite["steps"] = [

@@ -29,10 +29,11 @@ def catalog(tmp: Path) -> Path:
             tasks: [{{name: qg_simple_stories, limit: 2}}]
         scenarios:
           # Two scenarios that need the same engine options: one engine start per checkpoint.
+          # transformers_decompressed: the CPU's one engine times the compressed builds too (lanes under test).
           short: {{kind: offline, engines: [transformers], device: cpu, num_prompts: 2, input_len: 8, output_len: 4,
-                  batch_size: 2, repetitions: 1, warmup: 0, max_model_len: 40}}
+                  batch_size: 2, repetitions: 1, warmup: 0, max_model_len: 40, transformers_decompressed: true}}
           long: {{kind: latency, engines: [transformers], device: cpu, num_prompts: 2, input_len: 16, output_len: 24,
-                 repetitions: 1, warmup: 1, max_model_len: 40}}
+                 repetitions: 1, warmup: 1, max_model_len: 40, transformers_decompressed: true}}
         models:
           - id: tiny
             source: {{kind: local, path: {TINY_MODEL}}}

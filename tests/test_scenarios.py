@@ -111,8 +111,9 @@ def test_broken_suites_are_one_line_errors(tmp_path):
         load_gpu_suite(write(lambda d: d["steps"][0].update(engine="vllm-serve", scenarios=["offline"])))
     with pytest.raises(CatalogError, match=r"scenario 'latency-compile' does not list engine 'vllm'"):
         load_gpu_suite(write(lambda d: d["steps"][0].update(scenarios=["latency-compile"])))
-    with pytest.raises(CatalogError, match=r"steps.2: vllm bench throughput samples at temperature 1 \(top-p 1\), "
-                                           r"the scenario at 0: cross-check a twin of it with temperature: 1"):
+    with pytest.raises(CatalogError, match=r"steps.2: vllm bench throughput samples at temperature 1 \(top-p 1, no "
+                                           r"top-k\), the scenario at 0 \(top-p 1, top-k off\): cross-check a twin"
+                                           r" of it with temperature: 1 and neither"):
         load_gpu_suite(write(lambda d: d["steps"][2].update(scenarios=["offline"])))
     with pytest.raises(CatalogError, match=r"temperature"):
         load_gpu_suite(write(lambda d: d["scenarios"]["offline"].update(temperature=-1)))

@@ -21,6 +21,7 @@ import torch
 from aiohttp import web
 
 from quantgate.catalog.records import RequestRecord, Slo
+from quantgate.catalog.scenarios import Sampling
 from quantgate.tasks.adapters.speed.bench import vllm_bench_throughput
 from quantgate.tasks.adapters.speed.client import arrival_offsets, run_load
 from quantgate.tasks.adapters.speed.errors import ServingError
@@ -147,9 +148,19 @@ def test_timings_follow_the_server_delays(fake):
 
 def test_a_sampled_load_sends_its_temperature_with_top_p_one(fake):
     srv, url = fake
-    run = run_load(url, [[OK, 1, 1, 1, 42]], output_len=3, temperature=1.0)
+    run = run_load(url, [[OK, 1, 1, 1, 42]], output_len=3, sampling=Sampling(temperature=1.0))
     assert (srv.bodies[0]["temperature"], srv.bodies[0]["top_p"]) == (1.0, 1.0)
     assert run.config["temperature"] == 1.0 and run.records[0].output_tokens == 3
+
+
+def test_a_loads_top_p_and_top_k_reach_the_server(fake):
+    srv, url = fake
+    run = run_load(url, [[OK, 1, 1, 1, 42]], output_len=3, sampling=Sampling(temperature=0.7, top_p=0.9, top_k=20))
+    assert (srv.bodies[0]["temperature"], srv.bodies[0]["top_p"], srv.bodies[0]["top_k"]) == (0.7, 0.9, 20)
+    assert (run.config["top_p"], run.config["top_k"]) == (0.9, 20)
+    run_load(url, [[OK, 1, 1, 1, 42]], output_len=3, sampling=Sampling(temperature=0.7, top_p=0.9, top_k=20),
+             vllm_extras=False)
+    assert "top_k" not in srv.bodies[-1] and srv.bodies[-1]["top_p"] == 0.9  # OpenAI's fields alone
 
 
 def test_chunks_carrying_several_tokens_count_by_usage(fake):

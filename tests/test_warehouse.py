@@ -245,3 +245,53 @@ def test_maintenance_moves_inlined_rows_to_parquet_and_keeps_every_answer(tmp_pa
     with store.session(path, read_only=True) as con:
         assert {t: con.execute(f"SELECT count(*) FROM {t}").fetchone() for t in store.table_names(con)} == before
         assert store.rows(con, "SELECT * FROM variant_scorecard") == card
+
+
+def _gsm8k(key, strict, flexible):
+    """A GSM8K-style evaluation: each item's answer under strict-match (None: no `#### N` line, lm-eval's
+    '[invalid]') and flexible-extract, right (1) or wrong (0)."""
+    def rows(filter_, scores, invalid):
+        return [SampleResult("qg_gsm8k", i, "exact_match", float(x or 0),
+                             {"target": "7", "response": "…", "filtered": "[invalid]" if bad else "7"}, filter_)
+                for i, (x, bad) in enumerate(zip(scores, invalid))]
+
+    mean = lambda xs: sum(x or 0 for x in xs) / len(xs)  # noqa: E731
+    return QualityReport(eval_key=key, evaluator="lm-eval", config={}, seconds=1.0, metrics=[
+        MetricResult("qg_gsm8k", "exact_match", "strict-match", mean(strict), 0.01, len(strict), "1", True),
+        MetricResult("qg_gsm8k", "exact_match", "flexible-extract", mean(flexible), 0.01, len(flexible), "1", True),
+    ], samples=rows("strict-match", strict, [x is None for x in strict])
+      + rows("flexible-extract", flexible, [False] * len(flexible)))
+
+
+def test_a_loss_of_format_is_told_apart_from_a_loss_of_skill(tmp_path):
+    from quantgate.catalog.policy import Policy
+    from quantgate.tasks.steps.decide import decide
+
+    # 200 problems. The base writes `#### N` on 90% of them and is right on 60 by either filter; the variant
+    # drops the format on half its answers but is right on 58 by its last number.
+    base_strict = [1] * 60 + [0] * 120 + [None] * 20
+    variant_strict = [1] * 30 + [0] * 70 + [None] * 100
+    base_flexible = [1] * 60 + [0] * 140
+    variant_flexible = [1] * 58 + [0] * 142
+    with store.session(tmp_path / "w.ducklake") as con:
+        store.start_run(con, "r1", "evaluate-model", "m", "c.yaml", "h", "host", {})
+        store.record_variant(con, "r1", _variant("base", "base", method="base", size=400), "base")
+        store.record_variant(con, "r1", _variant("v1", "gptq-w4a16-g32"), "variant")
+        store.record_quality(con, "r1", "base", _gsm8k("k", base_strict, base_flexible))
+        store.record_quality(con, "r1", "v1", _gsm8k("k", variant_strict, variant_flexible))
+        shares = {(r["variant_uid"], r["filter"]): (r["extracted_share"], r["right_share"])
+                  for r in store.rows(con, "SELECT * FROM checkpoint_answer_format")}
+        assert shares[("base", "strict-match")] == pytest.approx((0.9, 0.3))
+        assert shares[("v1", "strict-match")] == pytest.approx((0.5, 0.15))
+        assert shares[("v1", "flexible-extract")] == pytest.approx((1.0, 0.29))
+        policy = Policy.model_validate({"version": 1, "max_size_ratio": 0.75, "quality": [
+            {"task": "qg_gsm8k", "metric": "exact_match", "filter": "strict-match", "min_recovery": 0.95,
+             "higher_is_better": True}]})
+        evidence = store.decision_evidence(con, "r1", [("qg_gsm8k", "exact_match")])
+        flips = {r["filter"]: r["flip_rate"] for r in evidence.flips}
+    assert set(flips) == {"strict-match", "flexible-extract"}  # flip rates per filter
+    d = decide(evidence.variants[0], 400, policy=policy, **evidence.of("v1"))
+    assert d.decision == "reject" and d.checks[0].outcome == "fail"
+    assert ("mostly format: 50% of its answers in the strict-match format vs the base's 90%, recovery 0.9667 under"
+            " flexible-extract") in d.reason
+    assert d.checks[0].detail["format"]["other_recovery"] == pytest.approx(58 / 60)

@@ -448,6 +448,7 @@ class DecisionEvidence:
     samples: list[dict[str, Any]]
     flips: list[dict[str, Any]]
     serving: list[dict[str, Any]]
+    formats: list[dict[str, Any]]
 
     def of(self, variant_uid: str) -> dict[str, list[dict[str, Any]]]:
         """One variant's rows, by the names tasks/steps/decide.decide takes them under."""
@@ -455,7 +456,7 @@ class DecisionEvidence:
             return [r for r in found if r["variant_uid"] == variant_uid]
 
         return {"recovery": mine(self.recovery), "speed": mine(self.speedup), "samples": mine(self.samples),
-                "flips": mine(self.flips), "serving": mine(self.serving)}
+                "flips": mine(self.flips), "serving": mine(self.serving), "formats": mine(self.formats)}
 
 
 def decision_evidence(con, run_id: str, gated: Sequence[tuple[str, str]]) -> DecisionEvidence:
@@ -465,7 +466,8 @@ def decision_evidence(con, run_id: str, gated: Sequence[tuple[str, str]]) -> Dec
     variants = rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
                          " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
     return DecisionEvidence(variants, view("variant_recovery"), view("variant_speedup"),
-                            paired_samples(con, run_id, list(gated)), view("variant_flips"), view("variant_serving"))
+                            paired_samples(con, run_id, list(gated)), view("variant_flips"), view("variant_serving"),
+                            view("variant_answer_format"))
 
 
 def latest_run(con, model_id: str) -> str | None:

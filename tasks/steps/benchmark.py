@@ -27,7 +27,7 @@ from quantgate.catalog.records import SpeedResult
 from quantgate.catalog.scenarios import OfflineScenario, ScenarioSpec
 from quantgate.tasks.adapters import engines
 from quantgate.tasks.adapters.engines import Engine, EngineOptions, RequestTiming, cuda_available
-from quantgate.tasks.adapters.speed.checkpoint import text_config
+from quantgate.tasks.adapters.speed.checkpoint import is_compressed_tensors, text_config
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
 from quantgate.tasks.adapters.speed.options import (
     engine_options, resolve_device, sized_kv_cache, start_memory_bytes, wants_random_weights,
@@ -129,6 +129,15 @@ def run_scenarios(
         return results("failed", f"no model folder at {model_path}", opts)
     if (why := _load_time_problem(model_path, engine_name, device)) is not None:
         return results("skipped", why, opts)
+    if engine_name == "transformers" and is_compressed_tensors(model_path):
+        decompressed = [item for item in scenarios if not item[1].transformers_decompressed]
+        if decompressed:
+            why = ("Transformers decompresses this compressed-tensors checkpoint to 16 bits as it loads it: it would"
+                   " time the base's kernels again (transformers_decompressed: true in the scenario measures it)")
+            skipped = [SpeedResult(engine_name, name, "skipped", why, _config(s, opts)) for name, s in decompressed]
+            asked = [item for item in scenarios if item not in decompressed]
+            return skipped + run_scenarios(model_path, engine_name, asked, isolate=isolate, timeout_s=timeout_s,
+                                           options=options, log_dir=log_dir)
 
     needed_len = max(s.input_len + s.output_len for _, s in scenarios)
     items = [s for _, s in scenarios]
@@ -350,7 +359,7 @@ def _workload(engine: Engine, prompts: Prompts, scenario: ScenarioSpec) -> tuple
     timings: list[RequestTiming] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), size):
-        generation = engine.generate(prompts[i : i + size], scenario.output_len, temperature=scenario.temperature)
+        generation = engine.generate(prompts[i : i + size], scenario.output_len, sampling=scenario.sampling)
         got = generation.output_tokens
         if any(n != scenario.output_len for n in got):
             raise BenchmarkError(f"{engine.name} generated {got} tokens per sequence, expected {scenario.output_len}")

@@ -22,7 +22,7 @@ import hashlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from importlib.metadata import distributions
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,12 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def record_identity(cls: type) -> str:
+    """Where a cached result's class lives and what fields it has: results are pickled, so a record that moved
+    or changed shape must miss the cache (and be made anew) rather than hit a result that cannot be read."""
+    return f"{cls.__module__}.{cls.__qualname__}({','.join(f.name for f in fields(cls))})"
+
+
 def download_key(spec: ModelSpec, cache_dir: Path) -> str | None:
     """Cache key of a download, or None (not cached) where the checkpoint is not known before fetching:
     a hub branch or tag may move, so only a pinned commit is cached."""
@@ -70,7 +76,7 @@ def download_key(spec: ModelSpec, cache_dir: Path) -> str | None:
         ident = {"gguf": sha, "libs": {k: v for k, v in quantize.lib_versions().items() if k == "transformers"}}
     else:
         return None
-    return f"download-{_digest({'model': spec.id, **ident})[:32]}"
+    return f"download-{_digest({'model': spec.id, 'record': record_identity(ModelArtifact), **ident})[:32]}"
 
 
 def quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec) -> str:
@@ -84,7 +90,7 @@ def quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec
             calibration = load_calibration(calib, model.path).fingerprint
         uid = quantize.variant_uid(model, recipe_hash, quantize.lib_versions(), calibration)
     # The name is part of the key: the artifact carries it, and two names may share one recipe.
-    return f"quantize-{uid}-{_digest([spec.name, model.uid])[:8]}"
+    return f"quantize-{uid}-{_digest([spec.name, model.uid, record_identity(VariantArtifact)])[:8]}"
 
 
 def calibration_check_key(calib: CalibrationSpec, model: ModelArtifact, evaluated: calibration.Evaluated) -> str | None:
@@ -103,6 +109,7 @@ def calibration_check_key(calib: CalibrationSpec, model: ModelArtifact, evaluate
         "tokenizer": {"model": model.model_id, "sha": model.sha},
         "evaluated": _digest([[name, [calibration.strings(d) for d in docs]] for name, docs in evaluated]),
         "environment": environment(),
+        "record": record_identity(CalibrationSamples),
     }
     return f"calibration-{_digest(ident)[:32]}"
 

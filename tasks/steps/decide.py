@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +12,7 @@ from prefect import task
 from quantgate.catalog.policy import Policy, QualityGate
 from quantgate.catalog.records import CheckOutcome, Decision, DecisionCheck, Verdict
 from quantgate.tasks.steps.quality_stats import (
-    QualityStatsError, RecoveryInterval, delta_interval, items_to_decide, sample_interval,
+    QualityStatsError, RecoveryInterval, delta_interval, items_to_decide, sample_interval, z_score,
 )
 
 # The reason lists failures first, then what the data could not decide, then the rest in policy order.
@@ -27,14 +29,45 @@ def _about(n: int) -> str:
 
 
 def _interval(gate: QualityGate, row: dict[str, Any], items: Sequence[dict[str, Any]],
-              confidence: float) -> RecoveryInterval | None:
+              confidence: float, chance: float) -> RecoveryInterval | None:
     if items:
         try:
-            return sample_interval(items, gate.metric, higher_is_better=gate.higher_is_better, confidence=confidence)
+            return sample_interval(items, gate.metric, higher_is_better=gate.higher_is_better, confidence=confidence,
+                                   chance=chance)
         except QualityStatsError:
             pass  # e.g. perplexity items stored without their byte counts: the reported stderrs remain
     return delta_interval(row["base_value"], row.get("base_stderr"), row["variant_value"], row.get("variant_stderr"),
-                          higher_is_better=gate.higher_is_better, confidence=confidence)
+                          higher_is_better=gate.higher_is_better, confidence=confidence, chance=chance)
+
+
+def _base_margin(row: dict[str, Any], items: Sequence[dict[str, Any]],
+                 confidence: float) -> tuple[float, float, float] | None:
+    """The base's margin over the metric's chance level with its interval at `confidence`, where the metric has
+    a chance level: the standard error from the base's per-item scores, else lm-eval's, else a 0/1 score's
+    binomial one over the items."""
+    chance, base = row.get("chance"), row["base_value"]
+    if chance is None or base is None:
+        return None
+    values = [s["base_value"] for s in items]
+    if len(values) > 1:
+        se = statistics.stdev(values) / math.sqrt(len(values))
+    elif (se := row.get("base_stderr")) is None or not math.isfinite(se):
+        n = row.get("n_samples")
+        se = math.sqrt(max(base * (1 - base), 0) / n) if n and 0 <= base <= 1 else 0.0
+    margin, half = base - chance, z_score(confidence) * se
+    return margin, margin - half, margin + half
+
+
+def _uninformative(name: str, gate: QualityGate, row: dict[str, Any], margin: tuple[float, float, float],
+                   policy: Policy, about: dict[str, Any]) -> DecisionCheck:
+    point, low, high = margin
+    level = f"{policy.confidence * 100:g}%"
+    note = (f"{name} uninformative: base {_fmt(row['base_value'])} vs chance {_fmt(row['chance'])} (margin"
+            f" {_fmt(point)}, {level} CI [{_fmt(low)}, {_fmt(high)}]): {gate.task} cannot measure this model")
+    detail = {"chance": row["chance"], "base_margin": point, "base_margin_lower": low, "base_margin_upper": high,
+              "recovery": row["recovery"], "variant_value": row["variant_value"], "base_value": row["base_value"],
+              "filter": row["filter"]}
+    return DecisionCheck(**about, outcome="uninformative", note=note, items=row.get("n_samples"), detail=detail)
 
 
 def _quality_outcome(policy: Policy, point: float, ci: RecoveryInterval | None, threshold: float) -> CheckOutcome:
@@ -47,8 +80,30 @@ def _quality_outcome(policy: Policy, point: float, ci: RecoveryInterval | None, 
     return "fail" if ci.upper < threshold else "inconclusive"
 
 
+def _format_loss(gate: QualityGate, filter_: str, formats: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """How much of an exact-match loss under `filter_` is format: the shares of answers the filter could extract
+    (base, variant) and the recovery under the task's most lenient other filter, where the task has one."""
+    mine = [f for f in formats if f["task"] == gate.task]
+    strict = next((f for f in mine if f["filter"] == filter_), None)
+    others = [f for f in mine if f["filter"] != filter_ and f["base_right_share"]]
+    if strict is None or not others or not strict["base_right_share"]:
+        return None
+    lenient = max(others, key=lambda f: f["base_right_share"])
+    return {"filter": filter_, "base_extracted_share": strict["base_extracted_share"],
+            "extracted_share": strict["extracted_share"], "recovery": strict["right_share"] / strict["base_right_share"],
+            "other_filter": lenient["filter"], "other_recovery": lenient["right_share"] / lenient["base_right_share"]}
+
+
+def _mostly_format(loss: dict[str, Any]) -> bool:
+    """The variant lost fewer answers to the format than it kept: its lenient recovery has less than half the
+    strict one's loss, and fewer of its answers meet the strict format than the base's."""
+    return (loss["recovery"] < 1 and 1 - loss["other_recovery"] < (1 - loss["recovery"]) / 2
+            and loss["extracted_share"] < loss["base_extracted_share"])
+
+
 def _quality_check(policy: Policy, gate: QualityGate, recovery: Sequence[dict[str, Any]],
-                   samples: Sequence[dict[str, Any]], flips: Sequence[dict[str, Any]]) -> DecisionCheck:
+                   samples: Sequence[dict[str, Any]], flips: Sequence[dict[str, Any]],
+                   formats: Sequence[dict[str, Any]] = ()) -> DecisionCheck:
     name = f"{gate.task}/{gate.metric}"
     about = {"kind": "quality", "name": name, "task": gate.task, "metric": gate.metric, "threshold": gate.min_recovery}
     rows = sorted((r for r in recovery if r["task"] == gate.task and r["metric"] == gate.metric
@@ -60,9 +115,14 @@ def _quality_check(policy: Policy, gate: QualityGate, recovery: Sequence[dict[st
         return DecisionCheck(**about, outcome="not_measured", note=f"{name} {why} (optional gate)")
     r = rows[0]
     key = (gate.task, gate.metric, r["filter"])
-    ci = _interval(gate, r, [s for s in samples if (s["task"], s["metric"], s["filter"]) == key], policy.confidence)
+    items = [s for s in samples if (s["task"], s["metric"], s["filter"]) == key]
+    margin = _base_margin(r, items, policy.confidence) if gate.higher_is_better else None
+    if margin is not None and margin[1] <= 0:
+        return _uninformative(name, gate, r, margin, policy, about)
+    above = gate.recovery == "above_chance" and r.get("recovery_above_chance") is not None
+    ci = _interval(gate, r, items, policy.confidence, r["chance"] if above else 0.0)
     flip = next((f for f in flips if (f["task"], f["metric"], f["filter"]) == key), None)
-    point, threshold = r["recovery"], gate.min_recovery
+    point, threshold = (r["recovery_above_chance"] if above else r["recovery"]), gate.min_recovery
     lower, upper = (ci.lower, ci.upper) if ci else (None, None)
     spread = lower is not None and upper is not None
     items = ci.n_items if ci and ci.n_items else r.get("n_samples")
@@ -88,14 +148,22 @@ def _quality_check(policy: Policy, gate: QualityGate, recovery: Sequence[dict[st
         verdict = f"({interval}) spans {threshold}"
     else:
         verdict = f"({interval}) {'>=' if outcome == 'pass' else '<'} {threshold}"
-    note = f"{name} recovery {_fmt(point)} {verdict} ({', '.join(evidence)})"
+    if above:
+        evidence.append(f"chance {_fmt(r['chance'])}")
+    note = f"{name} recovery{' above chance' if above else ''} {_fmt(point)} {verdict} ({', '.join(evidence)})"
+    fmt = _format_loss(gate, r["filter"], formats) if gate.metric == "exact_match" else None
+    if fmt and outcome in ("fail", "inconclusive") and _mostly_format(fmt):
+        note += (f"; mostly format: {fmt['extracted_share']:.0%} of its answers in the {fmt['filter']} format vs the"
+                 f" base's {fmt['base_extracted_share']:.0%}, recovery {_fmt(fmt['other_recovery'])} under"
+                 f" {fmt['other_filter']}")
     if outcome == "inconclusive" and spread:
         note += ": inconclusive"
         if to_decide:
             note += f"; ~{_about(to_decide)} items would decide (have {items:,})"
     detail = {"confidence": policy.confidence, "interval": ci.method if ci else None, "filter": r["filter"],
               "variant_value": r["variant_value"], "base_value": r["base_value"],
-              "flip_rate": flip["flip_rate"] if flip else None}
+              "flip_rate": flip["flip_rate"] if flip else None, "recovery_basis": "above_chance" if above else "plain",
+              "chance": r.get("chance"), "base_margin": margin[0] if margin else None, "format": fmt}
     return DecisionCheck(**about, outcome=outcome, note=note, value=point, lower=lower, upper=upper,
                          min_detectable_drop=mde, items=items, items_to_decide=to_decide, detail=detail)
 
@@ -166,6 +234,17 @@ def _size_check(policy: Policy, size_bytes: int | None, base_size_bytes: int | N
                          value=ratio, threshold=policy.max_size_ratio)
 
 
+def _no_informative_gate(quality: Sequence[DecisionCheck]) -> DecisionCheck | None:
+    """An inconclusive check when every quality gate the base could be measured on is at chance for it: the
+    verdict cannot rest on quality, and says so (a size or speed failure still rejects)."""
+    uninformative = [c.name for c in quality if c.outcome == "uninformative"]
+    if not uninformative or any(c.outcome not in ("uninformative", "not_measured") for c in quality):
+        return None
+    return DecisionCheck("quality", "no informative quality gate", "inconclusive",
+                         f"no informative quality gate ({', '.join(uninformative)} at chance for the base):"
+                         " quality cannot be judged on this suite")
+
+
 def verdict_of(checks: Sequence[DecisionCheck]) -> Verdict:
     """reject when any check fails, inconclusive when none fails but one could not be decided, else accept."""
     outcomes = {c.outcome for c in checks}
@@ -181,17 +260,20 @@ def decide(
     samples: Sequence[dict[str, Any]] = (),
     flips: Sequence[dict[str, Any]] = (),
     serving: Sequence[dict[str, Any]] = (),
+    formats: Sequence[dict[str, Any]] = (),
 ) -> Decision:
-    """`variant` is a row of `variants`; `recovery`, `speed`, `samples`, `flips` and `serving` are its rows of
-    the views `variant_recovery`, `variant_speedup`, `variant_paired_samples`, `variant_flips` and
-    `variant_serving`."""
+    """`variant` is a row of `variants`; `recovery`, `speed`, `samples`, `flips`, `serving` and `formats` are its
+    rows of the views `variant_recovery`, `variant_speedup`, `variant_paired_samples`, `variant_flips`,
+    `variant_serving` and `variant_answer_format`."""
     uid = variant["variant_uid"]
     if variant["status"] != "built":
         # A skipped variant (its backend cannot run where the flow ran) was never measured: not accepted.
         what = "not built (skipped)" if variant.get("skipped") else "build failed"
         return Decision(uid, "reject", f"reject: {what}: {variant['error']}",
                         [DecisionCheck("build", "build", "fail", variant["error"] or what)], policy.hash, None, None, None)
-    quality = [_quality_check(policy, gate, recovery, samples, flips) for gate in policy.quality]
+    quality = [_quality_check(policy, gate, recovery, samples, flips, formats) for gate in policy.quality]
+    if (blind := _no_informative_gate(quality)) is not None:
+        quality.append(blind)
     speed_check = _speed_check(policy, speed)
     size_check = _size_check(policy, variant.get("size_bytes"), base_size_bytes)
     checks = [c for c in (*quality, speed_check, _serving_check(policy, serving), size_check) if c is not None]

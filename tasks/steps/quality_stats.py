@@ -44,8 +44,8 @@ class RecoveryInterval:
     @property
     def min_detectable_drop(self) -> float | None:
         """The interval's half-width, z·se: a variant whose true recovery is 1 − this has an interval that
-        excludes 1 about half the time; smaller losses are not told apart from none on these items. Read against 1 − threshold: when it is larger, not even a lossless variant can pass.
-        Taken from the paired spread the verdict itself uses, not from the base's variance and an assumed
+        excludes 1 about half the time; smaller losses are not told apart from none on these items. Read against
+        1 − threshold: when it is larger, not even a lossless variant can pass. Taken from the paired spread the verdict itself uses, not from the base's variance and an assumed
         flip rate, which would differ from the spread each quantization method actually produces."""
         return None if self.se is None else z_score(self.confidence) * self.se
 
@@ -84,12 +84,12 @@ def _slope(agg: Aggregation, ratio: float) -> float:
 
 
 def _linearised_se(agg: Aggregation, higher_is_better: bool, bv: np.ndarray, bw: np.ndarray, vv: np.ndarray,
-                   vw: np.ndarray) -> float | None:
+                   vw: np.ndarray, chance: float = 0.0) -> float | None:
     """se of recovery = g(f(R_base), f(R_variant)) from each document's influence on both ratios, paired:
     a document that both sides get wrong moves neither ratio's difference, which is what pairing buys."""
     n = len(bv)
     rb, rv = bv.sum() / bw.sum(), vv.sum() / vw.sum()
-    fb, fv = float(_finish(agg, np.asarray(rb))), float(_finish(agg, np.asarray(rv)))
+    fb, fv = float(_finish(agg, np.asarray(rb))) - chance, float(_finish(agg, np.asarray(rv))) - chance
     num, den = (fv, fb) if higher_is_better else (fb, fv)
     if n < 2 or den == 0:
         return None
@@ -128,8 +128,10 @@ def paired_bootstrap(
     confidence: float = 0.95,
     resamples: int = RESAMPLES,
     seed: int = SEED,
+    chance: float = 0.0,
 ) -> RecoveryInterval:
-    """Recovery (variant ÷ base, inverted when lower is better) and its percentile bootstrap interval.
+    """Recovery (variant ÷ base, inverted when lower is better) and its percentile bootstrap interval; with
+    `chance`, recovery above chance, (variant − chance) ÷ (base − chance).
 
     Item i of each sequence is the same document; documents are resampled with replacement, pairs kept.
     """
@@ -147,32 +149,33 @@ def paired_bootstrap(
     if not np.isfinite(np.concatenate([bv, vv, bw, vw])).all():
         raise QualityStatsError("paired bootstrap got a missing or non-finite per-item value")
 
-    point = _recovery(_finish(agg, np.asarray(bv.sum() / bw.sum())), _finish(agg, np.asarray(vv.sum() / vw.sum())),
-                      higher_is_better)
+    point = _recovery(_finish(agg, np.asarray(bv.sum() / bw.sum())) - chance,
+                      _finish(agg, np.asarray(vv.sum() / vw.sum())) - chance, higher_is_better)
     rng = np.random.default_rng(seed)
     batch = max(1, _BATCH_ENTRIES // n)
     draws = []
     for start in range(0, resamples, batch):
         idx = rng.integers(0, n, size=(min(batch, resamples - start), n))
-        b = _finish(agg, bv[idx].sum(axis=1) / bw[idx].sum(axis=1))
-        v = _finish(agg, vv[idx].sum(axis=1) / vw[idx].sum(axis=1))
+        b = _finish(agg, bv[idx].sum(axis=1) / bw[idx].sum(axis=1)) - chance
+        v = _finish(agg, vv[idx].sum(axis=1) / vw[idx].sum(axis=1)) - chance
         draws.append(_recovery(b, v, higher_is_better))
     dist = np.concatenate(draws)
     tail = (1 - confidence) / 2
     lower, upper = (np.nanquantile(dist, [tail, 1 - tail]) if np.isfinite(dist).any() else (np.nan, np.nan))
-    se = _linearised_se(agg, higher_is_better, bv, bw, vv, vw)
+    se = _linearised_se(agg, higher_is_better, bv, bw, vv, vw, chance)
     return RecoveryInterval(_opt(point), _opt(lower), _opt(upper), confidence, "bootstrap", n, se)
 
 
 def sample_interval(
-    items: Sequence[dict[str, Any]], metric: str, *, higher_is_better: bool, confidence: float = 0.95
+    items: Sequence[dict[str, Any]], metric: str, *, higher_is_better: bool, confidence: float = 0.95,
+    chance: float = 0.0,
 ) -> RecoveryInterval:
     """Bootstrap interval from rows of the `variant_paired_samples` view (one per document of one metric)."""
     return paired_bootstrap(
         [r["base_value"] for r in items], [r["variant_value"] for r in items],
         higher_is_better=higher_is_better, agg=aggregation(metric),
         base_weights=[r["base_weight"] for r in items], variant_weights=[r["variant_weight"] for r in items],
-        confidence=confidence,
+        confidence=confidence, chance=chance,
     )
 
 
@@ -184,13 +187,18 @@ def delta_interval(
     *,
     higher_is_better: bool,
     confidence: float = 0.95,
+    chance: float = 0.0,
 ) -> RecoveryInterval | None:
-    """Normal interval of the recovery ratio from the two reported stderrs, None when one is missing.
+    """Normal interval of the recovery ratio from the two reported stderrs, None when one is missing; with
+    `chance`, of recovery above chance.
 
     Treats base and variant as independent, which overstates the spread of paired runs (conservative).
     """
     values = (base_value, base_stderr, variant_value, variant_stderr)
-    if any(x is None or not math.isfinite(x) for x in values) or not base_value or not variant_value:
+    if any(x is None or not math.isfinite(x) for x in values):
+        return None
+    base_value, variant_value = base_value - chance, variant_value - chance
+    if not base_value or not variant_value:
         return None
     num, den = (variant_value, base_value) if higher_is_better else (base_value, variant_value)
     r = float(num / den)

@@ -41,3 +41,24 @@ def test_vllm_and_transformers_produce_the_same_token_counts():
     _assert_sane(vllm)
     assert vllm.output_tokens == hf.output_tokens
     assert "vllm" in vllm.versions and "vllm" not in hf.versions
+
+
+def test_vllm_samples_with_the_scenarios_top_k_and_top_p(monkeypatch):
+    """vLLM's sampler gets the scenario's top-k and top-p: sampling from the single most likely token (top-k 1,
+    or a nucleus too small for a second) is greedy at any temperature, as on Transformers (tests/test_benchmark.py)."""
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    # In this test's process, where CUDA may be initialised already: vLLM's engine core is spawned, not forked.
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from quantgate.catalog.scenarios import Sampling
+    from quantgate.tasks.adapters.engines import EngineOptions, create
+
+    engine = create("vllm")
+    engine.load(TINY, EngineOptions(device="cuda", dtype="bfloat16", max_model_len=64, **VLLM_OPTIONS))
+    try:
+        prompts = [[1, 400 + i, 17, 90 + i] for i in range(4)]
+        greedy = engine.generate(prompts, 8).token_ids
+        assert engine.generate(prompts, 8, sampling=Sampling(temperature=2.0, top_k=1)).token_ids == greedy
+        assert engine.generate(prompts, 8, sampling=Sampling(temperature=2.0, top_p=1e-6)).token_ids == greedy
+        assert engine.generate(prompts, 8, sampling=Sampling(temperature=2.0, top_k=50)).token_ids != greedy
+    finally:
+        engine.close()

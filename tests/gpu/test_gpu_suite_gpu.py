@@ -24,9 +24,10 @@ pytestmark = [
 # (tasks/adapters/speed/options.sized_kv_cache), which skips vLLM's memory profiling, so the other test workers' engines
 # starting and stopping on the same GPU cannot upset it (they did, with 0.3 of the GPU each:
 # gpu-tests/call-s11-2-all.txt).
+# transformers_decompressed: the suite's Transformers step on the W4A16 build is timed (as catalog/gpu.yaml asks).
 COMMON = {"device": "cuda", "dtype": "bfloat16", "weights": "dummy", "max_model_len": 256, "enforce_eager": True,
           "num_prompts": 16, "input_len": 64, "output_len": 32,
-          "warmup": 1, "repetitions": 1}
+          "warmup": 1, "repetitions": 1, "transformers_decompressed": True}
 
 
 def suite_file(tmp_path):

@@ -1,4 +1,4 @@
--- Recovery of each metric: variant ÷ base, inverted for lower-is-better metrics (perplexity).
+-- Recovery of each metric: variant ÷ base, inverted for lower-is-better metrics (perplexity), and above chance.
 CREATE OR REPLACE VIEW variant_recovery AS
 SELECT v.run_id, v.variant_uid, v.task, v.metric, v.filter, v.higher_is_better,
        v.value AS variant_value, b.value AS base_value, v.stderr AS variant_stderr, b.stderr AS base_stderr,
@@ -8,7 +8,15 @@ SELECT v.run_id, v.variant_uid, v.task, v.metric, v.filter, v.higher_is_better,
            WHEN v.higher_is_better AND b.value <> 0 THEN v.value / b.value
            WHEN NOT v.higher_is_better AND v.value <> 0 THEN b.value / v.value
        END AS recovery,
-       v.protocol
+       v.protocol,
+       -- Above chance: how much of the base's margin over guessing the variant keeps (higher-is-better metrics
+       -- with a chance level only).
+       b.chance,
+       CASE
+           WHEN v.higher_is_better AND b.chance IS NOT NULL AND v.value IS NOT NULL AND b.value IS NOT NULL
+                AND NOT isnan(v.value) AND NOT isnan(b.value) AND b.value <> b.chance
+           THEN (v.value - b.chance) / (b.value - b.chance)
+       END AS recovery_above_chance
 FROM stg_run_quality v
 JOIN stg_run_quality b
   ON b.run_id = v.run_id AND b.role = 'base' AND b.eval_key = v.eval_key

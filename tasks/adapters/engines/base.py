@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from quantgate.catalog.errors import QuantgateError
+from quantgate.catalog.scenarios import GREEDY, Sampling
 
 
 class EngineError(QuantgateError, RuntimeError):
@@ -77,8 +78,8 @@ class Engine(Protocol):
     def load(self, model_path: str, options: EngineOptions) -> None: ...
 
     def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int, *, ignore_eos: bool = True,
-                 temperature: float = 0.0) -> Generation:
-        """Greedy at temperature 0, else sampling at that temperature with top-p 1 and no top-k. Prompts are
+                 sampling: Sampling = GREEDY) -> Generation:
+        """Greedy at temperature 0, else sampled at `sampling`'s temperature, top-p and top-k. Prompts are
         token ids, or text that the engine tokenizes inside the call (vLLM only)."""
         ...
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
+from quantgate.catalog.scenarios import GREEDY, Sampling
 from quantgate.tasks.adapters.engines.base import EngineError, EngineOptions, Generation, RequestTiming
 from quantgate.tasks.adapters.loadtime import descriptor, load_model
 
@@ -80,7 +81,7 @@ class TransformersEngine:
         self._compile = options.compile
 
     def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int, *, ignore_eos: bool = True,
-                 temperature: float = 0.0) -> Generation:
+                 sampling: Sampling = GREEDY) -> Generation:
         if self._model is None:
             raise EngineError("transformers engine: generate() before load()")
         if any(isinstance(p, str) for p in prompts):
@@ -95,8 +96,8 @@ class TransformersEngine:
                 max_new_tokens=max_new_tokens,
                 # Forbidding EOS until max_new_tokens makes every sequence exactly that long.
                 min_new_tokens=max_new_tokens if ignore_eos else None,
-                **({"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0
-                   else {"do_sample": False}),
+                **({"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                    "top_k": sampling.top_k} if sampling.temperature > 0 else {"do_sample": False}),
                 pad_token_id=self._tokenizer.pad_token_id,
                 streamer=clock,
                 # A static cache lets generate() compile the decoding step (CUDA graphs, on a GPU);

@@ -6,6 +6,7 @@ import gc
 import time
 from typing import Any
 
+from quantgate.catalog.scenarios import GREEDY, Sampling
 from quantgate.tasks.adapters.engines.base import EngineError, EngineOptions, Generation, RequestTiming
 
 # Cumulative speculative-decoding counters of vLLM's metrics (Prometheus names without _total).
@@ -63,7 +64,7 @@ class VllmEngine:
         self._speculative = bool(options.speculative_config)
 
     def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int, *, ignore_eos: bool = True,
-                 temperature: float = 0.0) -> Generation:
+                 sampling: Sampling = GREEDY) -> Generation:
         if self._llm is None:
             raise EngineError("vllm engine: generate() before load()")
         from vllm import SamplingParams, TextPrompt, TokensPrompt
@@ -74,10 +75,11 @@ class VllmEngine:
             # the same tokens in both engines; ignore_eos alone would let EOS be chosen and carried on. Sampled
             # runs are held against `vllm bench throughput`, whose sampler has no such mask (one more logits
             # processor each step), and their lengths are fixed by ignore_eos alone.
-            min_tokens=max_new_tokens if ignore_eos and temperature == 0 else 0,
+            min_tokens=max_new_tokens if ignore_eos and sampling.temperature == 0 else 0,
             ignore_eos=ignore_eos,
-            temperature=temperature,
-            top_p=1.0,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,  # 0: every token, as in Transformers
             detokenize=False,
         )
         inputs = [TextPrompt(prompt=p) if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in prompts]

@@ -50,6 +50,13 @@ def has_weight_only_int_layers(model_path: str | Path) -> bool | None:
     return False
 
 
+def is_compressed_tensors(model_path: str | Path) -> bool:
+    """Whether the checkpoint is stored in compressed-tensors (llm-compressor's AWQ, GPTQ, INT8 and FP8 builds),
+    which Transformers decompresses to 16 bits as it loads it."""
+    config = checkpoint_config(model_path) or {}
+    return (config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors"
+
+
 # Fields of a compressed-tensors quantization config that say how a build was calibrated, not what the engine
 # runs: observers pick scales before they are stored; activation ordering "weight" (alias "static") quantizes in
 # activation order but stores the ordinary layout (compressed-tensors' ActivationOrdering: "doesn't change the

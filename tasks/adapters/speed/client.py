@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from quantgate.catalog.records import LoadRun, RequestRecord
+from quantgate.catalog.scenarios import GREEDY, Sampling
 from quantgate.tasks.adapters.speed.errors import ServingError
 
 
@@ -46,10 +47,11 @@ def run_load(
     extra_body: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
     vllm_extras: bool = True,
-    temperature: float = 0.0,
+    sampling: Sampling = GREEDY,
 ) -> LoadRun:
     """Send every prompt (token ids, or text for servers that take only text) to
-    {base_url}/v1/completions, streaming, greedy (or sampled at `temperature`), exactly `output_len` tokens each when `ignore_eos`.
+    {base_url}/v1/completions, streaming, greedy (or as `sampling` says), exactly `output_len` tokens each when
+    `ignore_eos`.
     `warmup` requests go first and are not recorded. `headers` go with every request (an
     Authorization header for a hosted API). Without `vllm_extras` the body keeps to the OpenAI
     Completions fields: no `ignore_eos` / `min_tokens` (servers that reject unknown fields), so a
@@ -73,7 +75,7 @@ def run_load(
             extra_body=extra_body or {},
             headers=headers or {},
             vllm_extras=vllm_extras,
-            temperature=temperature,
+            sampling=sampling,
         )
     )
 
@@ -93,7 +95,7 @@ async def _run_load(
     extra_body: dict[str, Any],
     headers: dict[str, str],
     vllm_extras: bool,
-    temperature: float,
+    sampling: Sampling,
 ) -> LoadRun:
     import aiohttp
 
@@ -105,7 +107,7 @@ async def _run_load(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         model = model or await _first_model(session, base_url)
         url = f"{base_url}/v1/completions"
-        body = {**_payload(output_len, ignore_eos, vllm_extras, temperature), **extra_body, "model": model}
+        body = {**_payload(output_len, ignore_eos, vllm_extras, sampling), **extra_body, "model": model}
         slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
 
         async def warm(i: int) -> None:
@@ -131,7 +133,9 @@ async def _run_load(
         "max_concurrency": max_concurrency,
         "request_rate": None if math.isinf(request_rate) else request_rate,
         "seed": seed,
-        "temperature": temperature,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
         "ignore_eos": ignore_eos,
         "vllm_extras": vllm_extras,
         "warmup": warmup,
@@ -139,11 +143,12 @@ async def _run_load(
     return LoadRun(records=list(records), duration_s=duration, model=model, config=config, server_info=seen)
 
 
-def _payload(output_len: int, ignore_eos: bool, vllm_extras: bool = True, temperature: float = 0.0) -> dict[str, Any]:
+def _payload(output_len: int, ignore_eos: bool, vllm_extras: bool = True,
+             sampling: Sampling = GREEDY) -> dict[str, Any]:
     body: dict[str, Any] = {
         "max_tokens": output_len,
-        "temperature": temperature,
-        **({"top_p": 1.0} if temperature > 0 else {}),
+        "temperature": sampling.temperature,
+        **({"top_p": sampling.top_p} if sampling.temperature > 0 else {}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -151,6 +156,8 @@ def _payload(output_len: int, ignore_eos: bool, vllm_extras: bool = True, temper
         # min_tokens masks EOS like the offline engines do, so every request yields exactly output_len.
         body["min_tokens"] = output_len if ignore_eos else 0
         body["ignore_eos"] = ignore_eos
+        if sampling.temperature > 0 and sampling.top_k:
+            body["top_k"] = sampling.top_k  # not an OpenAI Completions field: vLLM's (and SGLang's) extra
     return body
 
 

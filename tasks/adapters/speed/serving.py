@@ -200,7 +200,7 @@ def run_loads(
             model=model,
             warmup=scenario.warmup,
             timeout_s=remaining,
-            temperature=scenario.temperature,
+            sampling=scenario.sampling,
             **client,
         )
         after = telemetry.energy_mj() if telemetry else None
