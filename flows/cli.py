@@ -242,15 +242,18 @@ def bench_endpoint_cmd(
 @app.command()
 def deploy(
     repo: Annotated[Optional[Path], typer.Option(help="checkout with prefect.yaml that workers run (default: this one)")] = None,
+    model_runs: Annotated[Optional[int], typer.Option(
+        min=1, help="how many model runs the GPU pool takes at once over all hosts (default: its workers' limits)")] = None,
 ) -> None:
-    """Create the work pools and every deployment of prefect.yaml on the Prefect server (PREFECT_API_URL)."""
+    """Create the work pools, every deployment of prefect.yaml and the liveness automations on the Prefect server
+    (PREFECT_API_URL)."""
     from quantgate.flows import deploy as deploying
 
-    names = deploying.deploy(repo or deploying.REPO)
+    names = deploying.deploy(repo or deploying.REPO, model_runs=model_runs)
     for name in names:
         console.print(name)
-    console.print(f"{len(names)} deployments on {deploying.api_url()}; start workers: "
-                  "prefect worker start --pool quantgate-cpu (and --pool quantgate-gpu --limit 1 per GPU)")
+    console.print(f"{len(names)} deployments on {deploying.api_url()}; start workers: prefect worker start --pool"
+                  " quantgate-cpu, and on each GPU host --pool quantgate-gpu --limit <its GPU count>")
 
 
 @app.command()

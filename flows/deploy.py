@@ -6,13 +6,20 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.settings import settings
 
 REPO = Path(__file__).resolve().parents[1]
-POOLS = {"quantgate-cpu": "download, quantize and evaluate small models, decisions, warehouse writes",
-         "quantgate-gpu": "GPU steps (gpu-step, gpu-suite): one GPU per worker"}
+POOLS = {"quantgate-cpu": "the nightly, the release watcher and warehouse upkeep: they start model runs, and measure nothing",
+         "quantgate-gpu": "a model's whole run (build, evaluation, KL, benchmarks, decisions) on one host, holding its"
+                          " GPUs; one worker per host, --limit its GPU count"}
+MODEL_POOL = "quantgate-gpu"
+# A flow run of ours whose heartbeats (every 30 s, prefect.yaml) stop for this long is crashed: its host or worker died.
+SILENT_S = 90
+ZOMBIES = "quantgate: crash runs whose heartbeats stopped"
+RETRIES = "quantgate: start crashed model runs again"
 
 
 REPO_ENV = "QUANTGATE_REPO"
@@ -43,35 +50,82 @@ def api_url() -> str:
     return url
 
 
-def ensure_pools(pools: dict[str, str] = POOLS) -> list[str]:
-    """Create the process work pools that do not exist yet; returns the ones created."""
+def ensure_pools(pools: dict[str, str] = POOLS, model_runs: int | None = None) -> list[str]:
+    """Create the process work pools that do not exist yet; returns the ones created. `model_runs` caps how many
+    model runs the model pool takes at once, over all its hosts (None: its workers' limits alone)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     created = []
     with get_client(sync_client=True) as client:
         for name, description in pools.items():
+            limit = model_runs if name == MODEL_POOL else None
             try:
                 client.read_work_pool(name)
+                client.update_work_pool(name, WorkPoolUpdate(description=description, concurrency_limit=limit))
                 continue
             except ObjectNotFound:
                 pass
             try:
-                client.create_work_pool(WorkPoolCreate(name=name, type="process", description=description))
+                client.create_work_pool(WorkPoolCreate(name=name, type="process", description=description,
+                                                       concurrency_limit=limit))
                 created.append(name)
             except ObjectAlreadyExists:
                 pass
     return created
 
 
-def deploy(repo: Path = REPO, timeout_s: float = 600) -> list[str]:
-    """Pools, then `prefect deploy --all --no-prompt` in `repo`; returns the deployments' names."""
+def ensure_automations(client: Any, deployments: dict[str, str]) -> None:
+    """Liveness from Prefect: a run of a quantgate deployment whose heartbeats stop is crashed (Prefect's zombie
+    recipe), and a crashed evaluate-model run is scheduled again (`AwaitingRetry`), so that a worker of any host
+    resumes it at its first unfinished stage; the run itself stops after QUANTGATE_MAX_ATTEMPTS. Replaces the
+    automations of the same names, so a redeploy's deployment ids are the ones matched."""
+    from datetime import timedelta
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    ours = ResourceSpecification({"prefect.resource.role": "deployment",
+                                  "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployments.values()]})
+    flow_runs = ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"})
+    wanted = [
+        AutomationCore(
+            name=ZOMBIES, description=f"no heartbeat for {SILENT_S} s: the run's worker or host is gone",
+            trigger=EventTrigger(
+                after={"prefect.flow-run.heartbeat"},
+                expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                        "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+                match=flow_runs, match_related=ours, for_each={"prefect.resource.id"}, posture=Posture.Proactive,
+                threshold=1, within=timedelta(seconds=SILENT_S)),
+            actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                        message=f"no heartbeat for {SILENT_S} s: its worker or host stopped")]),
+        AutomationCore(
+            name=RETRIES, description="a crashed evaluate-model run starts again and resumes where it stopped",
+            trigger=EventTrigger(
+                expect={"prefect.flow-run.Crashed"}, match=flow_runs,
+                match_related=ResourceSpecification({"prefect.resource.role": "deployment", "prefect.resource.id":
+                                                     f"prefect.deployment.{deployments['evaluate-model']}"}),
+                posture=Posture.Reactive, threshold=1, within=timedelta(0)),
+            actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry",
+                                        message="crashed: started again, to resume at its first unfinished stage")]),
+    ]
+    for automation in wanted:
+        for old in client.read_automations_by_name(automation.name):
+            client.delete_automation(old.id)
+        client.create_automation(automation)
+
+
+def deploy(repo: Path = REPO, timeout_s: float = 600, model_runs: int | None = None) -> list[str]:
+    """Pools, `prefect deploy --all --no-prompt` in `repo`, then the liveness automations; returns the
+    deployments' names."""
     url = api_url()
     repo = Path(repo).resolve()
     if not (repo / "prefect.yaml").is_file():
         raise DeployError(f"{repo}: no prefect.yaml here (pass the checkout the workers run with --repo)")
-    ensure_pools()
+    ensure_pools(model_runs=model_runs)
     env = {**os.environ, "PREFECT_API_URL": url}
     done = subprocess.run([sys.executable, "-m", "prefect", "deploy", "--all", "--no-prompt"], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
@@ -81,4 +135,6 @@ def deploy(repo: Path = REPO, timeout_s: float = 600) -> list[str]:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        return sorted(f"{client.read_flow(d.flow_id).name}/{d.name}" for d in client.read_deployments())
+        deployments = client.read_deployments()
+        ensure_automations(client, {d.name: str(d.id) for d in deployments})
+        return sorted(f"{client.read_flow(d.flow_id).name}/{d.name}" for d in deployments)

@@ -1,16 +1,14 @@
-"""Where a step runs: in this process, or as a run of another deployment on another work pool.
+"""How a model's speed jobs run on the host its run was placed on, and how a flow starts runs of another deployment.
 
-A single-machine user gives no deployment names and everything runs in-process (Prefect's ephemeral
-API is enough). Under a Prefect server, evaluate-model sends its GPU benchmarks to the `gpu-step`
-deployment (GPU pool) and the nightly and the release watcher start `evaluate-model` runs.
+A single-machine user gives no deployment names and everything runs in-process (Prefect's ephemeral API is
+enough). Under a Prefect server the nightly and the release watcher start `evaluate-model` runs on the model pool
+(`submit`), and each run does all of its model's work on the host that took it (tasks/runtime/placement.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,14 +30,8 @@ from quantgate.tasks.steps.benchmark import benchmark_task, engine_sessions, run
 from quantgate.warehouse import store
 
 SERVING_LOGS = "serving-logs"
-FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # A speed row and, for a serving scenario, its loads with their per-request rows.
 Measured = tuple[SpeedResult, list[ServingLoad]]
-
-
-def is_gpu_work(engine: str, scenario: ScenarioSpec) -> bool:
-    """vLLM needs a GPU, and so does any scenario pinned to cuda; the rest stays with the CPU flow."""
-    return engine in ("vllm", "vllm-bench") or scenario.device == "cuda"
 
 
 def submit(deployment: str, parameters: dict[str, Any], *, name: str, tags: Sequence[str] = (),
@@ -53,23 +45,18 @@ def submit(deployment: str, parameters: dict[str, Any], *, name: str, tags: Sequ
     return str(run.id)
 
 
-def wait(run_ids: Sequence[str], timeout_s: float, poll_s: float = 2.0) -> dict[str, Any]:
-    """Poll the API until every run is final or `timeout_s` passes; flow run objects by id."""
+def capacity(deployment: str) -> str:
+    """How many runs of `deployment` its work pool takes at once, in words: its concurrency limit and its
+    workers' limits, for a person reading why a run waits."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import WorkerFilter, WorkerFilterStatus
 
-    deadline = time.monotonic() + timeout_s
-    runs: dict[str, Any] = {}
-    pending = list(run_ids)
     with get_client(sync_client=True) as client:
-        while True:
-            for rid in list(pending):
-                run = client.read_flow_run(rid)
-                runs[rid] = run
-                if run.state is not None and run.state.type.value in FINAL:
-                    pending.remove(rid)
-            if not pending or time.monotonic() >= deadline:
-                return runs
-            time.sleep(poll_s)
+        pool = client.read_work_pool(client.read_deployment_by_name(deployment).work_pool_name)
+        online = client.read_workers_for_work_pool(pool.name, worker_filter=WorkerFilter(
+            status=WorkerFilterStatus(any_=["ONLINE"])))
+    limit = f"at most {pool.concurrency_limit} at once" if pool.concurrency_limit else "no pool-wide limit"
+    return f"on pool {pool.name} ({limit}; {len(online)} worker(s) online, each within its own --limit)"
 
 
 @dataclass(frozen=True, eq=False)  # each job is its own: compared and hashed by identity
@@ -157,13 +144,12 @@ class Measurements:
     else shares the GPU and measures once it has it alone, tasks/runtime/launch.measuring); `run(variants)` takes the
     rest, each variant's scenarios as speed jobs (one engine start each: `speed_jobs`) in `lanes` (GPU ids: one
     job per GPU at a time, in a process that sees only that GPU; None: this process's view), so that two
-    measurements never share a GPU, or, with `gpu_deployment`, as runs of that deployment, and waits for all."""
+    measurements never share a GPU, and waits for all."""
 
     def __init__(self, spec: ModelSpec, cat: Catalog, root: Path, engines: Sequence[str] | None = None,
                  on_variant: Callable[[str, JobResult], None] | None = None, lanes: Sequence[str | None] = (None,),
-                 pool: launch.Jobs | None = None, stored_as: tuple[str, str] | None = None) -> None:
+                 pool: launch.Jobs | None = None) -> None:
         self.spec, self.root, self.engines, self.lanes = spec, root, engines, lanes
-        self.stored_as = stored_as  # (warehouse, run id) that a GPU step writes its rows to
         self.scenarios = [(name, cat.scenarios[name]) for name in spec.scenarios]
         self._on_variant, self._pool = on_variant, pool
         self._jobs: dict[str, list[SpeedJob]] = {}
@@ -183,47 +169,13 @@ class Measurements:
         self._add(v)
         self._started += [self._pool.submit(self._run_job, job, None) for job in self._jobs[v.uid]]  # type: ignore[union-attr]
 
-    def run(self, variants: Sequence[VariantArtifact], gpu_deployment: str | None = None,
-            timeout_s: float = 6 * 3600) -> dict[str, JobResult]:
-        """The jobs of `variants` (those not started), and every result of the started ones, by variant uid. A GPU
-        run of `gpu_deployment` that fails or does not finish becomes a failed row saying so."""
-        log = get_run_logger()
+    def run(self, variants: Sequence[VariantArtifact]) -> dict[str, JobResult]:
+        """The jobs of `variants` (those not started), and every result of the started ones, by variant uid."""
         for v in variants:
             self._add(v)
-        pending: dict[tuple[str, str, str], str] = {}
-        if gpu_deployment:
-            if self.stored_as is None:
-                raise ValueError("GPU steps need the warehouse and run their rows go to")
-            warehouse, run_id = self.stored_as
-            for v in variants:
-                for job in self._jobs[v.uid]:
-                    for name, scenario in job.scenarios:
-                        if is_gpu_work(job.engine, scenario):
-                            params = {"model_path": v.path, "engine": job.engine, "scenario_name": name,
-                                      "scenario": scenario.model_dump(mode="json"), "warehouse": warehouse,
-                                      "run_id": run_id, "variant_uid": v.uid, "work_dir": str(self.root),
-                                      "label": f"{self.spec.id}/{v.name}"}
-                            pending[(v.uid, name, job.engine)] = submit(
-                                gpu_deployment, params, name=f"{job.engine} {name} on {self.spec.id}/{v.name}",
-                                tags=["quantgate", "gpu", f"model:{self.spec.id}", f"variant:{v.name}",
-                                      f"engine:{job.engine}"])
-            if pending:
-                log.info("%d GPU benchmark step(s) submitted to %s", len(pending), gpu_deployment)
-
-        def remote(job: SpeedJob) -> bool:
-            return any((job.variant.uid, name, job.engine) in pending for name, _ in job.scenarios)
-
-        launch.in_lanes([job for v in variants for job in self._jobs[v.uid] if not remote(job)], self.lanes,
-                        self._run_job)
+        launch.in_lanes([job for v in variants for job in self._jobs[v.uid]], self.lanes, self._run_job)
         for future in self._started:
             future.result()
-        runs = wait(list(pending.values()), timeout_s) if pending else {}
-        for v in variants:
-            for job in self._jobs[v.uid]:
-                if job not in self._done:
-                    steps = [(name, scenario, runs[pending[(v.uid, name, job.engine)]]) for name, scenario in job.scenarios]
-                    self._done[job] = _stored_by_steps(self.stored_as, v.uid, job.engine, steps)
-            self._finish_if_complete(v)
         return self._results
 
     def _add(self, v: VariantArtifact) -> None:
@@ -263,39 +215,13 @@ class Measurements:
 
 def benchmark_all(
     variants: Sequence[VariantArtifact], spec: ModelSpec, cat: Catalog, root: Path,
-    gpu_deployment: str | None = None, timeout_s: float = 6 * 3600, engines: Sequence[str] | None = None,
-    on_variant: Callable[[str, JobResult], None] | None = None, lanes: Sequence[str | None] = (None,),
+    engines: Sequence[str] | None = None, on_variant: Callable[[str, JobResult], None] | None = None,
+    lanes: Sequence[str | None] = (None,),
 ) -> dict[str, JobResult]:
     """Every (scenario, engine) of `spec` on every variant, by variant uid, in catalog order (only the engines
     named in `engines`, when given); serving scenarios (vLLM only) bring their loads along (`Measurements.run`)."""
-    return Measurements(spec, cat, root, engines, on_variant, lanes).run(variants, gpu_deployment, timeout_s)
+    return Measurements(spec, cat, root, engines, on_variant, lanes).run(variants)
 
 
 def _kept(declared: Sequence[str], engines: Sequence[str] | None) -> list[str]:
     return [e for e in declared if not engines or e in engines]
-
-
-def _stored_by_steps(stored_as: tuple[str, str] | None, variant_uid: str, engine: str,
-                     steps: Sequence[tuple[str, ScenarioSpec, Any]]) -> JobResult:
-    """What GPU steps did for one job: their rows are in the warehouse already (written where they measured), so
-    only a step that failed, did not finish or stored nothing leaves a failed row here for the parent to store."""
-    assert stored_as is not None
-    warehouse, run_id = stored_as
-    failed: list[Measured] = []
-    starts = 0
-    with store.session(warehouse, read_only=True) as con:
-        for name, scenario, run in steps:
-            state = run.state
-            found = store.rows(con, "SELECT details FROM speed_results WHERE run_id = ? AND variant_uid = ?"
-                                    " AND engine = ? AND scenario = ?", [run_id, variant_uid, engine, name])
-            if state is not None and state.type.value == "COMPLETED" and found:
-                starts += sum(int(json.loads(r["details"] or "{}").get("engine_starts", 0)) for r in found)
-                continue
-            if state is not None and state.type.value == "COMPLETED":
-                reason = f"GPU run {run.name} completed but stored no speed row"
-            elif state is None or state.type.value not in FINAL:
-                reason = f"GPU run {run.name} did not finish in time (state {state.name if state else 'unknown'})"
-            else:
-                reason = f"GPU run {run.name} {state.type.value.lower()}: {(state.message or '').strip()[:200]}"
-            failed.append((SpeedResult(engine, name, "failed", reason, scenario.model_dump(mode="json")), []))
-    return JobResult(failed, starts, store.now())

@@ -6,10 +6,9 @@ import hashlib
 import json
 import math
 import os
-import platform
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, TypeVar
 
 from prefect import flow, get_run_logger, tags
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from prefect.states import Failed, State
 
 from quantgate.catalog.errors import CatalogError, QuantgateError, one_line
@@ -26,14 +25,14 @@ from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.catalog.records import Decision, MetricResult, ModelArtifact, QualityReport, VariantArtifact
 from quantgate.catalog.selection import adhoc_model, with_revision
-from quantgate.catalog.settings import settings
+from quantgate.catalog.settings import host_name, settings
 from quantgate.catalog.suites import SuiteSpec
 from quantgate.catalog.variants import CalibrationSpec, VariantSpec
 from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.flows.live import work_dir
 from quantgate.flows.speed_plan import SpeedPlan
-from quantgate.tasks.runtime import faults, gpu_memory, launch
+from quantgate.tasks.runtime import faults, gpu_memory, launch, placement
 from quantgate.tasks.steps.caching import build_cached, check_calibration_cached, download_cached
 from quantgate.tasks.steps.calibration import CalibrationError
 from quantgate.tasks.steps.decide import decide_task
@@ -146,19 +145,19 @@ def evaluate_model(
     engines: list[str] | None = None,
     revision: str | None = None,
     template: str | None = None,
-    gpu_deployment: str | None = None,
     remeasure: bool = False,
     gpus: str | None = None,
+    gpu_count: int = 1,
 ) -> list[dict] | State:
     """Evaluate one model (a catalog id, a local folder or a hub id) and every variant the catalog asks for.
 
     `variants` and `scenarios` replace the catalog's lists for this run; `engines` keeps only those
     engines. `revision` pins a hub model to a commit; `template` is the catalog model whose variants,
-    suite and scenarios a model outside the catalog gets; `gpu_deployment` ("gpu-step/gpu-step") sends
-    GPU benchmarks to that deployment's work pool instead of running them in this process. Speed rows an
-    earlier run measured with the same scenarios, libraries and device are reused unless `remeasure`.
+    suite and scenarios a model outside the catalog gets. Speed rows an earlier run measured with the same
+    scenarios, libraries and device are reused unless `remeasure`.
     `gpus` ("0,1", default: what CUDA_VISIBLE_DEVICES shows) are the lanes: one measurement per GPU at a time,
-    different checkpoints side by side.
+    different checkpoints side by side. A run of the deployment instead holds `gpu_count` GPUs of the host whose
+    worker took it, and its model's lock, for all of its work (tasks/runtime/placement.py).
     A rerun after a crash (the model's latest run unfinished, same catalog, spec and engines) resumes
     that run: stages already stored are not done again.
     """
@@ -169,15 +168,37 @@ def evaluate_model(
                              revision)
     except CatalogError as e:
         return Failed(message=str(e))
-    attempt_id = str(flow_run.id)
+    # A run of the deployment is placed on its worker's host; Prefect starts it again after a crash, up to a limit.
+    pooled = deployment.id is not None
+    attempt = flow_run.run_count or 1
+    if pooled and attempt > settings().max_attempts:
+        return Failed(message=f"{spec.id}: started {attempt - 1} times without finishing; not started again"
+                              f" (QUANTGATE_MAX_ATTEMPTS={settings().max_attempts})")
+    try:
+        with placement.placed(spec.id, gpu_count) if pooled else nullcontext() as where:
+            return _run(cat, cat_path, spec, warehouse, workdir, engines, remeasure,
+                        where.lanes if where else launch.lanes_from(gpus), where)
+    except placement.PlacementError as e:
+        return Failed(message=str(e))
+
+
+def _run(cat: Catalog, cat_path: Path, spec: ModelSpec, warehouse: str | None, workdir: str | None,
+         engines: list[str] | None, remeasure: bool, lanes: list[str | None],
+         where: placement.Placement | None) -> list[dict] | State:
+    """The flow run's work, where it was placed: its warehouse run begun or resumed, its stages, its scorecard."""
+    # Each start of the same flow run (Prefect's retry after a crash) is an attempt of its own.
+    attempt = flow_run.run_count or 1
+    attempt_id = str(flow_run.id) + (f"#{attempt}" if attempt > 1 else "")
     wh = warehouse or str(store.default_path())
     root = work_dir(workdir)
     log = get_run_logger()
+    if where is not None:
+        log.info("placed on %s: %s", where.host, ", ".join(where.limits))
     try:
         with store.session(wh) as con:
             run_id, resumed = store.begin_run(con, attempt_id, "evaluate-model", spec.id,
-                                              resume_key(cat, spec, engines),
-                                              str(cat_path.resolve()), cat.hash, platform.node(), lib_versions())
+                                              resume_key(cat, spec, engines), str(cat_path.resolve()), cat.hash,
+                                              host_name(), lib_versions(), exclusive=where is not None)
             if not resumed:  # a resumed run keeps the prices its costs were computed with
                 store.record_prices(con, run_id, cat.gpu_prices, cat.hash)
         run = _Run(wh, run_id, attempt_id)
@@ -187,7 +208,7 @@ def evaluate_model(
         log.info("resuming run %s of %s: %d stage(s) already complete", run_id, spec.id, len(run.done))
     try:
         with interrupts.guard(), tags("quantgate", f"model:{spec.id}"):
-            sha = _evaluate(cat, spec, run, root, gpu_deployment, engines, remeasure, launch.lanes_from(gpus))
+            sha = _evaluate(cat, spec, run, root, engines, remeasure, lanes)
     except interrupts.Interrupted as e:
         _finish(run, str(e))  # the next run of the same request resumes it
         raise
@@ -232,8 +253,8 @@ class EvalSetup:
     dtype: str
 
 
-def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployment: str | None,
-              engines: list[str] | None, remeasure: bool, lanes: list[str | None]) -> str:
+def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, engines: list[str] | None, remeasure: bool,
+              lanes: list[str | None]) -> str:
     """All stages of one model that the run has not completed yet; returns the checkpoint's sha.
 
     Work whose time is not measured (builds, evaluations, KL, engine starts) runs a few jobs at a time on a GPU,
@@ -254,8 +275,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
     # On one GPU each checkpoint's engines start as soon as it is built, beside the builds and evaluations, and
     # measure when the GPU is theirs alone (tasks/runtime/launch.GpuClock): the run waits for an engine start only where
-    # nothing else is left to do. Elsewhere (a CPU, several lanes, a GPU pool) the benchmarks follow KL.
-    early = starts_engines_early(setup, lanes, gpu_deployment)
+    # nothing else is left to do. Elsewhere (a CPU, several lanes) the benchmarks follow KL.
+    early = starts_engines_early(setup, lanes)
     with launch.gpu_clock(), launch.jobs(settings().engines_per_gpu if early else 1) as engine_pool:
         speed = _SpeedStage(run, plan, spec, cat, root, engines, remeasure, lanes, engine_pool if early else None)
         # The unmeasured phase, its jobs and KL, holds a share of the GPU from here to KL's end, so no measurement
@@ -277,7 +298,7 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
                 built = [future.result() for future in builds]
             variants_ok = [v for v, usable in built if usable]
             _kl(run, base, variants_ok, suite, setup)
-        speed.finish([base, *variants_ok], gpu_deployment)
+        speed.finish([base, *variants_ok])
 
     decisions = _decide(run, spec, cat, base)
     for d in decisions:
@@ -286,11 +307,11 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, gpu_deployme
     return model.sha
 
 
-def starts_engines_early(setup: EvalSetup, lanes: list[str | None], gpu_deployment: str | None) -> bool:
-    """Whether speed jobs start as checkpoints are built, beside the unmeasured work: on one GPU of this machine.
-    A CPU runs one job at a time anyway, and with several lanes or a GPU pool the unmeasured work is not on the
-    GPU a measurement takes, so there the benchmarks follow KL."""
-    return setup.device == "cuda" and lanes == [None] and gpu_deployment is None
+def starts_engines_early(setup: EvalSetup, lanes: list[str | None]) -> bool:
+    """Whether speed jobs start as checkpoints are built, beside the unmeasured work: on one GPU. A CPU runs one
+    job at a time anyway, and with several lanes the unmeasured work is not on the GPU a measurement takes, so
+    there the benchmarks follow KL."""
+    return setup.device == "cuda" and lanes == [None]
 
 
 def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArtifact:
@@ -410,15 +431,13 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
 class _SpeedStage:
     """The benchmark stage: each checkpoint's speed reused from an earlier run of its speed key (format, scenarios,
     libraries, device), measured by the first checkpoint of its key to be ready, or taken from the one of its key
-    that measures it; each checkpoint's rows stored with its mark as soon as they are in (a GPU step on the pool
-    stores its own rows, and the mark follows). With a `pool` (one GPU) measuring begins at `ready`, else at
-    `finish`."""
+    that measures it; each checkpoint's rows stored with its mark as soon as they are in. With a `pool` (one GPU)
+    measuring begins at `ready`, else at `finish`."""
 
     def __init__(self, run: _Run, plan: SpeedPlan, spec: ModelSpec, cat: Catalog, root: Path,
                  engines: list[str] | None, remeasure: bool, lanes: list[str | None], pool: launch.Jobs | None) -> None:
         self.run, self.plan, self.remeasure, self.early = run, plan, remeasure, pool is not None
-        self.measurements = dispatch.Measurements(spec, cat, root, engines, self._store, lanes, pool,
-                                                  stored_as=(run.wh, run.run_id))
+        self.measurements = dispatch.Measurements(spec, cat, root, engines, self._store, lanes, pool)
         self.started: dict[str, VariantArtifact] = {}
         self.takers: dict[str, list[VariantArtifact]] = {}
         self.sources: dict[str, tuple[str, str] | None] = {}
@@ -434,7 +453,7 @@ class _SpeedStage:
         self.run.enter("benchmark", v.uid, v.name)
         self.measurements.start(v)
 
-    def finish(self, checkpoints: list[VariantArtifact], gpu_deployment: str | None) -> None:
+    def finish(self, checkpoints: list[VariantArtifact]) -> None:
         """The speed of every checkpoint not yet stored: reused, measured (those not started yet) or taken; returns
         once every row is stored."""
         log = get_run_logger()
@@ -463,7 +482,7 @@ class _SpeedStage:
                     _take_speed(self.run, v, measurer, key)
         for v in todo:
             self.run.enter("benchmark", v.uid, v.name)
-        self.measurements.run(todo, gpu_deployment)
+        self.measurements.run(todo)
 
     def _source(self, v: VariantArtifact) -> tuple[str, str] | None:
         """The run and checkpoint whose stored rows have `v`'s speed key, read once per checkpoint."""

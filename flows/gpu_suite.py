@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import multiprocessing
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 
 from quantgate.catalog.errors import QuantgateError, one_line
 from quantgate.catalog.gpu_suite import GpuSuiteSpec, SuiteStep, load_gpu_suite
@@ -38,11 +37,13 @@ from quantgate.catalog.load import load_catalog
 from quantgate.catalog.paths import CATALOG_DIR, DEFAULT_CATALOG
 from quantgate.catalog.records import ModelArtifact, ServingLoad, SpeedResult, VariantArtifact
 from quantgate.catalog.scenarios import ScenarioSpec
+from quantgate.catalog.settings import host_name
+from quantgate.flows.live import work_dir
 from quantgate.tasks.adapters import engines
 from quantgate.tasks.adapters.speed.bench import bench_scenario
 from quantgate.tasks.adapters.speed.options import resolve_device
 from quantgate.tasks.adapters.speed.sweep import serve_variant
-from quantgate.tasks.runtime import launch
+from quantgate.tasks.runtime import launch, placement
 from quantgate.tasks.runtime.launch import in_lanes
 from quantgate.tasks.steps.benchmark import engine_sessions, run_scenarios
 from quantgate.tasks.adapters.dummy_weights import SHAPES, layout, write_dummy_checkpoint
@@ -334,7 +335,16 @@ def gpu_suite(
 ) -> list[dict]:
     """Run the GPU suite's steps (those of `parts`, default all) for one shape into the warehouse. With
     several `gpus` (ids as nvidia-smi numbers them), steps run side by side, one per GPU, and tensor-parallel
-    ones after them."""
+    ones after them. A run of the deployment holds as many of its host's GPUs (tasks/runtime/placement.py)."""
+    if deployment.id is None:
+        return _suite(warehouse, workdir, shape, suite, parts, deadline_s, grace_s, gpus)
+    with placement.placed(f"gpu-suite-{shape}", len(gpus) if gpus else 1) as where:
+        held = list(where.gpus) if len(where.gpus) > 1 else None
+        return _suite(warehouse, workdir, shape, suite, parts, deadline_s, grace_s, held)
+
+
+def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | None, parts: list[str] | None,
+           deadline_s: float, grace_s: float, gpus: list[str] | None) -> list[dict]:
     log = get_run_logger()
     suite_path = Path(suite) if suite else DEFAULT_SUITE
     spec = load_gpu_suite(suite_path)
@@ -345,10 +355,10 @@ def gpu_suite(
     clock = Clock(deadline_s, grace_s)
     run_id = str(flow_run.id)
     wh = warehouse or str(store.default_path())
-    root = Path(workdir or ".quantgate").resolve() / "gpu" / shape
+    root = work_dir(workdir) / "gpu" / shape
     spec_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     with store.session(wh) as con:
-        store.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, platform.node(), _versions())
+        store.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, host_name(), _versions())
         prices, prices_from = suite_prices(spec, spec_hash)
         store.record_prices(con, run_id, prices, prices_from)
     with store.run_outcome(wh, run_id):

@@ -7,7 +7,8 @@ downloading anything and starts a run where it differs or no successful run exis
 
 In-process (no `evaluate_deployment`) the runs are subflows, one after another. Under a Prefect
 server the deployment passes `evaluate_deployment: evaluate-model/evaluate-model` and each model
-becomes its own flow run on the CPU pool.
+becomes its own flow run on the GPU pool, which starts them in the nightly's order as hosts have room
+(each host's worker limit, the pool's concurrency limit); the artifact says the order and the room.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def nightly(
 
     log = get_run_logger()
     rows = plan(catalog, warehouse, workdir, all_models, models)
+    queued = 0
     for row in rows:
         log.info("%s: %s (%s)", row["model"], row["action"], row["reason"])
         if row["action"] != "run":
@@ -93,6 +95,9 @@ def nightly(
             if value is not None:
                 params[key] = value
         if evaluate_deployment:
+            # The pool starts runs in the order they were created, as many as it has room for.
+            queued += 1
+            row["order"] = queued
             row["flow_run_id"] = dispatch.submit(
                 evaluate_deployment, params, name=f"evaluate {row['model']} (nightly)",
                 tags=["quantgate", "nightly", f"model:{row['model']}"],
@@ -105,12 +110,16 @@ def nightly(
                 state = evaluate_model(**params, return_state=True)
             row["flow_run_id"] = str(state.state_details.flow_run_id)
             row["status"] = state.type.value.lower()
-    _publish(rows)
+    _publish(rows, dispatch.capacity(evaluate_deployment) if queued else None)
     return rows
 
 
-def _publish(rows: list[dict[str, Any]]) -> None:
-    lines = ["# nightly", "", "| model | action | status | reason | flow run |", "|---|---|---|---|---|"]
+def _publish(rows: list[dict[str, Any]], capacity: str | None) -> None:
+    lines = ["# nightly", ""]
+    if capacity:
+        lines += [f"Runs start in the order below, {capacity}.", ""]
+    lines += ["| order | model | action | status | reason | flow run |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['action']} | {r.get('status', '—')} | {r['reason']} | {r.get('flow_run_id', '—')} |")
+        lines.append(f"| {r.get('order', '—')} | {r['model']} | {r['action']} | {r.get('status', '—')} | {r['reason']}"
+                     f" | {r.get('flow_run_id', '—')} |")
     create_markdown_artifact("\n".join(lines), key="nightly-plan", description="what the nightly evaluated and why")

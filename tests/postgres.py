@@ -74,3 +74,12 @@ def postgres_server() -> Iterator[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def database(conninfo: str, name: str) -> str:
+    """A new database `name` on the server of `conninfo`; returns its SQLAlchemy URL for asyncpg (Prefect's server)."""
+    fields = dict(part.split("=", 1) for part in conninfo.split())
+    server = " ".join(f"{k}={v}" for k, v in fields.items() if k != "dbname")
+    subprocess.run(["psql", f"{server} dbname=postgres", "-c", f"CREATE DATABASE {name}"], check=True,
+                   capture_output=True, text=True)
+    return f"postgresql+asyncpg://{fields['user']}@{fields['host']}:{fields['port']}/{name}"

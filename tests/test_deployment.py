@@ -1,17 +1,23 @@
-"""Against a real `prefect server` on loopback: `quantgate deploy` (prefect.yaml, `prefect deploy --all
---no-prompt`), one process worker per pool, two concurrent evaluate-model runs of different real tiny
-models through the deployment (their GPU benchmarks as gpu-step runs on the GPU pool), the warehouse
-afterwards, the nightly's schedule as the server stores it, the nightly's "inputs changed" check, and
-the release watcher replaying a saved hub listing.
+"""Against a real PostgreSQL and a real `prefect server` on it, on loopback: `quantgate deploy` (pools, prefect.yaml's
+deployments, the liveness automations), process workers posing as hosts of the GPU pool, and the warehouse's
+catalog in the same PostgreSQL while a read-only SQL session stays open on it. Two models run at once on two
+hosts; the same model submitted twice runs one run at a time, the second reusing what the first stored; a host
+killed mid-run (`kill -9` of its worker and its run) has its run crashed by Prefect's heartbeat automation and
+resumed by the other host. Then the nightly's schedule as the server stores it, its "inputs changed" check and
+its order, and the release watcher replaying a saved hub listing.
 
-What the CPU run does not cover: a GPU. The GPU pool's worker is a process worker on this machine,
-so the gpu-step runs measure vLLM's absence (skipped rows with the reason), not a GPU benchmark.
+What the CPU run does not cover: a GPU. The hosts have none, so each run holds its host's CPU slot
+(`cpu:<host>`), and vLLM's scenario records vLLM's absence (skipped rows with the reason); the GPU slots and a
+model's GPU work on one host are run on the H200 (benchmarks/gpu/deploy.sh).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,8 +27,9 @@ import pytest
 
 from quantgate.catalog.records import ModelArtifact
 from quantgate.warehouse import store
-from tests import prefect_server
+from tests import postgres, prefect_server
 from tests.shared_data import REPO, TINY_MODEL
+from tests.warehouse_checks import duplicated_keys
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +37,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 LISTING = FIXTURES / "hub_list_models_qwen_tinyllama.json"
 SEEN_SHA = "7ae557604adf67be50417f59c2c2f167def9a775"  # Qwen/Qwen2.5-0.5B-Instruct in the listing
 CLI = [sys.executable, "-m", "quantgate.flows.cli"]
+EVALUATE = "evaluate-model/evaluate-model"
 
 CATALOG = """\
 version: 1
@@ -41,7 +49,6 @@ suites:
       - {{name: qg_simple_stories}}
     batch_size: 16
 scenarios:
-  # vLLM only: on the deployment it is GPU work, so every benchmark is a gpu-step run on the GPU pool.
   tiny-vllm: {{kind: offline, engines: [vllm], num_prompts: 2, input_len: 16, output_len: 4, batch_size: 2,
                repetitions: 1}}
 models:
@@ -59,9 +66,21 @@ policy:
     - {{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.95, higher_is_better: false}}
 """
 
+# A person's SQL session on the warehouse: read-only, one snapshot held open until told to go on, then a new one.
+READER = """
+import sys
+from quantgate.warehouse import store
+with store.session(read_only=True) as con:
+    print("open", con.execute("SELECT count(*) FROM runs").fetchone()[0], flush=True)
+    sys.stdin.readline()
+    print("held", con.execute("SELECT count(*) FROM runs").fetchone()[0], flush=True)
+with store.session(read_only=True) as con:
+    print("after", con.execute("SELECT count(*) FROM runs").fetchone()[0], flush=True)
+"""
 
-def perturbed_copy(src: Path, dst: Path) -> Path:
-    """A second real model: the tiny model with one weight changed (another content hash, same shapes)."""
+
+def perturbed_copy(src: Path, dst: Path, scale: float = 1.01) -> Path:
+    """Another real model: the tiny model with one weight changed (another content hash, same shapes)."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
@@ -69,7 +88,7 @@ def perturbed_copy(src: Path, dst: Path) -> Path:
         f.chmod(0o644)
     weights = load_file(dst / "model.safetensors")
     name = sorted(k for k in weights if k.endswith("norm.weight"))[0]
-    weights[name] = weights[name] * 1.01
+    weights[name] = weights[name] * scale
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
@@ -78,23 +97,81 @@ def perturbed_copy(src: Path, dst: Path) -> Path:
 def deployed(tmp_path_factory):
     if not TINY_MODEL.exists():
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
+    if postgres.server_bin() is None:
+        pytest.skip("PostgreSQL's server is not installed (apt-get install postgresql; .ci/run does)")
     tmp = tmp_path_factory.mktemp("deployment")
     catalog = tmp / "catalog.yaml"
     catalog.write_text(CATALOG.format(model=TINY_MODEL, suite="quick"))
-    other = perturbed_copy(TINY_MODEL, tmp / "models" / "stories260k-b")
-    extra = {
-        "QUANTGATE_REPO": str(REPO),
-        "QUANTGATE_WAREHOUSE": str(tmp / "w.ducklake"),
-        "QUANTGATE_HOME": str(tmp / "work"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "QUANTGATE_GPU_SLOT": "gpu:test-host:0",
-    }
-    with prefect_server.server(tmp / "prefect-home", extra) as (url, env):
-        done = subprocess.run([*CLI, "deploy"], env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr + done.stdout
-        yield {"url": url, "env": env, "tmp": tmp, "catalog": catalog, "other": other, "deploy_out": done.stdout,
-               "wh": tmp / "w.ducklake"}
+    models = {name: perturbed_copy(TINY_MODEL, tmp / "models" / name, 1 + k / 100)
+              for k, name in enumerate(("stories260k-b", "stories260k-c", "stories260k-d"), start=1)}
+    with postgres.postgres_server() as conninfo:
+        extra = {
+            "PREFECT_API_DATABASE_CONNECTION_URL": postgres.database(conninfo, "prefect"),
+            "QUANTGATE_REPO": str(REPO),
+            store.ENV_VAR: f"postgres:{conninfo}",
+            store.DATA_ENV_VAR: str(tmp / "lake") + "/",
+            "QUANTGATE_HOME": str(tmp / "work"),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            # Hosts without GPUs; a dead host's slots come back 60 s after their last renewal (Prefect's least).
+            "CUDA_VISIBLE_DEVICES": "",
+            "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "5",
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+        }
+        with prefect_server.server(tmp / "prefect-home", extra) as (url, env):
+            done = subprocess.run([*CLI, "deploy"], env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr + done.stdout
+            with pytest.MonkeyPatch.context() as mp:  # this process reads the same warehouse as the workers
+                mp.setenv(store.ENV_VAR, extra[store.ENV_VAR])
+                mp.setenv(store.DATA_ENV_VAR, extra[store.DATA_ENV_VAR])
+                with store.session():
+                    pass  # the warehouse exists before the reader opens it, as a team's does
+                yield {"url": url, "env": env, "tmp": tmp, "catalog": catalog, "models": models,
+                       "deploy_out": done.stdout, "wh": extra[store.ENV_VAR]}
+
+
+class Hosts:
+    """Process workers of the GPU pool, each posing as a host of its own (QUANTGATE_HOST)."""
+
+    def __init__(self, deployed: dict) -> None:
+        self.env, self.tmp = deployed["env"], deployed["tmp"]
+        self.workers: dict[str, subprocess.Popen] = {}
+
+    def start(self, host: str, **env: str) -> None:
+        self.workers[host] = prefect_server.start(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "quantgate-gpu", "--type", "process",
+             "--limit", "1", "--name", host], {**self.env, "QUANTGATE_HOST": host, **env},
+            self.tmp / f"worker-{host}.log", cwd=self.tmp)
+
+    def stop(self, host: str) -> None:
+        prefect_server.stop(self.workers.pop(host))
+
+    def kill(self, host: str, run_pid: int) -> None:
+        """The host dies: its worker and the run it was running, with everything they started, by SIGKILL."""
+        for pgid in {os.getpgid(run_pid), self.workers[host].pid} - {os.getpgrp()}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(run_pid, signal.SIGKILL)
+        self.workers.pop(host).wait(30)
+
+    def logs(self) -> str:
+        return "".join(f.read_text()[-3000:] for f in sorted(self.tmp.glob("worker-*.log")))
+
+    def stop_all(self) -> None:
+        for host in list(self.workers):
+            self.stop(host)
+
+
+@pytest.fixture(scope="module")
+def hosts(deployed):
+    hosts = Hosts(deployed)
+    hosts.start("host-a")
+    hosts.start("host-b")
+    try:
+        yield hosts
+    finally:
+        hosts.stop_all()
 
 
 def client(url: str):
@@ -131,94 +208,161 @@ def wait_final(c, ids: list, timeout_s: float) -> dict:
         time.sleep(2)
 
 
-def test_deploy_creates_every_deployment_and_the_nightly_schedule(deployed):
-    for name in ("evaluate-model/evaluate-model", "nightly/nightly", "watch-releases/watch-releases",
-                 "gpu-step/gpu-step", "gpu-suite/gpu-suite", "warehouse-maintenance/warehouse-maintenance"):
+def submit(deployed: dict, model: str) -> str:
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: deployed["url"]}):
+        return str(run_deployment(EVALUATE, parameters={"catalog": str(deployed["catalog"]), "model": model},
+                                  timeout=0).id)
+
+
+def attempts(deployed: dict, model_id: str) -> list[dict]:
+    with store.session(deployed["wh"], read_only=True) as con:
+        return store.rows(con, "SELECT r.run_id, r.status AS run_status, r.started_at AS run_started,"
+                               " r.finished_at AS run_finished, a.attempt_id, a.host, a.status FROM runs r"
+                               " JOIN run_attempts a USING (run_id) WHERE r.model_id = ? ORDER BY a.started_at",
+                          [model_id])
+
+
+def test_deploy_creates_every_deployment_the_automations_and_the_nightly_schedule(deployed):
+    for name in (EVALUATE, "nightly/nightly", "watch-releases/watch-releases", "gpu-suite/gpu-suite",
+                 "warehouse-maintenance/warehouse-maintenance"):
         assert name in deployed["deploy_out"]
     with client(deployed["url"]) as c:
         pools = {p.name: p.type for p in c.read_work_pools()}
         assert pools["quantgate-cpu"] == "process" and pools["quantgate-gpu"] == "process"
         nightly = c.read_deployment_by_name("nightly/nightly")
         assert nightly.work_pool_name == "quantgate-cpu"
-        assert nightly.parameters["evaluate_deployment"] == "evaluate-model/evaluate-model"
-        [schedule] = nightly.schedules
-        assert schedule.active and schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC"
-        assert c.read_deployment_by_name("gpu-step/gpu-step").work_pool_name == "quantgate-gpu"
-        [upkeep] = c.read_deployment_by_name("warehouse-maintenance/warehouse-maintenance").schedules
-        assert upkeep.active and upkeep.schedule.cron == "0 6 * * *"
-        evaluate = c.read_deployment_by_name("evaluate-model/evaluate-model")
-        assert evaluate.work_pool_name == "quantgate-cpu"
-        assert evaluate.parameters["gpu_deployment"] == "gpu-step/gpu-step"
-        # Workers pull the flow code from the checkout named on their machine, at run time.
+        assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+        assert nightly.parameters["evaluate_deployment"] == EVALUATE
+        evaluate = c.read_deployment_by_name(EVALUATE)
+        # A model's whole run goes to the GPU pool, with heartbeats often enough to be crashed within 90 s.
+        assert evaluate.work_pool_name == "quantgate-gpu"
+        assert evaluate.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
         assert evaluate.pull_steps == [{"quantgate.flows.deploy.enter_checkout": {}}]
+        names = {a.name for a in c.read_automations()}
+        assert {"quantgate: crash runs whose heartbeats stopped", "quantgate: start crashed model runs again"} <= names
 
 
-def test_two_concurrent_runs_through_workers_leave_a_consistent_warehouse(deployed):
-    from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    env, tmp, wh = deployed["env"], deployed["tmp"], deployed["wh"]
-    workers = [
-        prefect_server.start([sys.executable, "-m", "prefect", "worker", "start", "--pool", "quantgate-cpu",
-                              "--type", "process"], env, tmp / "worker-cpu.log", cwd=tmp),
-        prefect_server.start([sys.executable, "-m", "prefect", "worker", "start", "--pool", "quantgate-gpu",
-                              "--type", "process", "--limit", "1"], env, tmp / "worker-gpu.log", cwd=tmp),
-    ]
+def test_two_hosts_run_two_models_at_once_while_a_reader_holds_a_session(deployed, hosts):
+    env = {**deployed["env"]}
+    reader = subprocess.Popen([sys.executable, "-c", READER], env=env, cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        params = {"catalog": str(deployed["catalog"])}
-        with temporary_settings({PREFECT_API_URL: deployed["url"]}):
-            first = run_deployment("evaluate-model/evaluate-model", parameters={**params, "model": "stories260k"},
-                                   timeout=0)
-            second = run_deployment("evaluate-model/evaluate-model",
-                                    parameters={**params, "model": str(deployed["other"])}, timeout=0)
+        opened = reader.stdout.readline()
+        assert opened.split() == ["open", "0"], opened + (reader.stderr.read() if reader.poll() is not None else "")
+        first, second = submit(deployed, "stories260k"), submit(deployed, str(deployed["models"]["stories260k-b"]))
         with client(deployed["url"]) as c:
-            runs = wait_final(c, [first.id, second.id], timeout_s=420)
-            gpu_runs = deployment_runs(c, "gpu-step/gpu-step")
-            slot = c.read_global_concurrency_limit_by_name("gpu:test-host:0")
+            runs = wait_final(c, [first, second], timeout_s=480)
+        reader.stdin.write("go on\n")
+        reader.stdin.flush()
+        out, err = reader.communicate(timeout=120)
     finally:
-        for w in workers:
-            prefect_server.stop(w)
-    logs = "".join((tmp / f).read_text()[-3000:] for f in ("worker-cpu.log", "worker-gpu.log"))
+        if reader.poll() is None:
+            reader.kill()
     for r in runs.values():
-        assert r.state.is_completed(), f"{r.name}: {r.state.message}\n{logs}"
-    assert {r.name for r in runs.values()} == {"evaluate stories260k", f"evaluate {deployed['other']}"}
-    # GPU benchmarks ran as their own runs on the GPU pool, one per variant, under a limit-1 GPU slot.
-    assert len(gpu_runs) == 4 and all(r.state.is_completed() for r in gpu_runs)
-    assert all(r.parent_task_run_id is not None for r in gpu_runs)  # linked to their evaluate-model run
-    assert slot.limit == 1 and slot.active_slots == 0
-
-    with store.session(wh, read_only=True) as con:
-        assert sorted(store.rows(con, "SELECT run_id, model_id, status FROM runs ORDER BY model_id"),
-                      key=lambda r: r["model_id"]) == sorted(
-            [{"run_id": str(first.id), "model_id": "stories260k", "status": "completed"},
-             {"run_id": str(second.id), "model_id": "stories260k-b", "status": "completed"}],
-            key=lambda r: r["model_id"])
-        models = store.rows(con, "SELECT model_id, sha FROM models ORDER BY model_id")
-        assert [m["model_id"] for m in models] == ["stories260k", "stories260k-b"]
-        assert models[0]["sha"] != models[1]["sha"]
-        variants = store.rows(con, "SELECT model_uid, name, status FROM variants ORDER BY model_uid, name")
-        assert [(v["name"], v["status"]) for v in variants] == [("base", "built"), ("int8-w8a16", "built")] * 2
-        # Nothing lost, nothing twice: each run has its own rows, every table's key is unique.
-        per_run = store.rows(con, "SELECT r.run_id, (SELECT count(*) FROM run_variants v WHERE v.run_id = r.run_id) rv,"
-                                  " (SELECT count(*) FROM speed_results s WHERE s.run_id = r.run_id) sr,"
-                                  " (SELECT count(*) FROM decisions d WHERE d.run_id = r.run_id) de,"
-                                  " (SELECT count(*) FROM quality_results q WHERE q.run_id = r.run_id"
-                                  "  AND q.metric = 'bits_per_byte') qr FROM runs r")
-        assert [(r["rv"], r["sr"], r["de"], r["qr"]) for r in per_run] == [(2, 2, 1, 2)] * 2
+        assert r.state.is_completed(), f"{r.name}: {r.state.message}\n{hosts.logs()}"
+    assert reader.returncode == 0, err
+    assert out.split() == ["held", "0", "after", "2"]  # its snapshot held while both runs wrote, then it saw them
+    a, b = attempts(deployed, "stories260k"), attempts(deployed, "stories260k-b")
+    assert [x["run_id"] for x in a] == [first] and [x["run_id"] for x in b] == [second]
+    assert {a[0]["host"], b[0]["host"]} == {"host-a", "host-b"}  # one host each, at the same time
+    assert a[0]["run_started"] < b[0]["run_finished"] and b[0]["run_started"] < a[0]["run_finished"]
+    with store.session(deployed["wh"], read_only=True) as con:
+        assert duplicated_keys(con) == {}
+        decided = store.rows(con, "SELECT run_id, variant_uid, decision FROM decisions ORDER BY run_id")
+        assert sorted(d["run_id"] for d in decided) == sorted([first, second])
         speed = store.rows(con, "SELECT engine, status, reason FROM speed_results")
-        assert all(s["engine"] == "vllm" and s["status"] == "skipped" and "vllm" in s["reason"] for s in speed)
-        for table, key in (("quality_samples", "variant_uid, eval_key, task, doc_id, metric, filter"),
-                           ("speed_results", "run_id, variant_uid, engine, scenario"),
-                           ("run_variants", "run_id, variant_uid")):
-            total, distinct = con.execute(f"SELECT count(*), count(DISTINCT ({key})) FROM {table}").fetchone()
-            assert total == distinct > 0, table
-        assert con.execute("SELECT count(*) FROM run_inputs").fetchone()[0] == 2
+        assert speed and all(s["engine"] == "vllm" and s["status"] == "skipped" and "vllm" in s["reason"] for s in speed)
+
+
+def test_the_same_model_submitted_twice_runs_once_at_a_time_and_the_second_reuses(deployed, hosts):
+    model = str(deployed["models"]["stories260k-c"])
+    first, second = submit(deployed, model), submit(deployed, model)
+    with client(deployed["url"]) as c:
+        runs = wait_final(c, [first, second], timeout_s=480)
+    for r in runs.values():
+        assert r.state.is_completed(), f"{r.name}: {r.state.message}\n{hosts.logs()}"
+    done = attempts(deployed, "stories260k-c")
+    assert sorted(x["run_id"] for x in done) == sorted([first, second])
+    earlier, later = done
+    assert earlier["run_finished"] <= later["run_started"]  # one at a time: the model's lock
+    with store.session(deployed["wh"], read_only=True) as con:
+        assert duplicated_keys(con) == {}
+        # One base and one build, stored once; the second run links them and their evaluations.
+        variants = store.rows(con, "SELECT v.name FROM variants v JOIN models m ON v.model_uid = m.model_uid"
+                                   " WHERE m.model_id = 'stories260k-c' ORDER BY v.name")
+        assert [v["name"] for v in variants] == ["base", "int8-w8a16"]
+        per_run = store.rows(con, "SELECT run_id, count(*) AS n FROM run_variants WHERE run_id IN (?, ?) GROUP BY ALL",
+                             [first, second])
+        assert sorted(r["n"] for r in per_run) == [2, 2]
+        evaluated = store.rows(con, "SELECT run_id, count(*) AS n FROM quality_results WHERE run_id IN (?, ?)"
+                                    " AND metric = 'bits_per_byte' GROUP BY ALL", [first, second])
+        assert evaluated == [{"run_id": earlier["run_id"], "n": 2}]  # evaluated once, by the first
+        linked = store.rows(con, "SELECT eval_key FROM run_variants WHERE run_id = ?", [later["run_id"]])
+        assert len(linked) == 2 and all(r["eval_key"] for r in linked)
+        samples = con.execute("SELECT count(*), count(DISTINCT (variant_uid, eval_key, task, doc_id, metric, filter))"
+                              " FROM quality_samples").fetchone()
+        assert samples[0] == samples[1]
+        marks = store.rows(con, "SELECT detail FROM run_stages WHERE run_id = ? AND stage = 'quantize'",
+                           [later["run_id"]])
+        assert marks and all(m["detail"] for m in marks)
+
+
+def test_a_host_killed_mid_run_is_crashed_by_prefect_and_resumed_on_the_other(deployed, hosts):
+    """host-c takes the run and pauses in the variant's evaluation; it is killed with its worker (no word to
+    anyone); Prefect's heartbeat automation crashes the run, the retry automation schedules it again, and host-b
+    resumes it after the base's evaluation."""
+    paused = deployed["tmp"] / "paused.txt"
+    hosts.stop("host-a")
+    hosts.stop("host-b")  # host-c alone takes the run
+    hosts.start("host-c", QUANTGATE_FAULT="evaluate@2=pause", QUANTGATE_FAULT_PAUSED=str(paused))
+    run_id = submit(deployed, str(deployed["models"]["stories260k-d"]))
+    deadline = time.monotonic() + 300
+    while not paused.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert paused.exists(), hosts.logs()
+    pid = int(paused.read_text().split()[1])
+    hosts.kill("host-c", pid)
+    killed_at = time.monotonic()
+    hosts.start("host-b")
+    with client(deployed["url"]) as c:
+        deadline = time.monotonic() + 420
+        while True:  # through Crashed (the automation schedules it again) to its end
+            run = c.read_flow_run(run_id)
+            if run.state.type.value in ("COMPLETED", "FAILED", "CANCELLED") or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        states = [(s.type.value, s.name, s.message) for s in c.read_flow_run_states(run_id)]
+    assert run.state.is_completed(), f"{run.state.message}\n{states}\n{hosts.logs()}"
+    crashed = [s for s in states if s[0] == "CRASHED"]
+    assert crashed and "no heartbeat" in crashed[0][2], states
+    assert ("SCHEDULED", "AwaitingRetry") in [(t, n) for t, n, _ in states]
+    assert time.monotonic() - killed_at < 400
+    done = attempts(deployed, "stories260k-d")
+    assert [(x["run_id"], x["attempt_id"], x["host"], x["status"]) for x in done] == [
+        (run_id, run_id, "host-c", "abandoned"), (run_id, f"{run_id}#2", "host-b", "completed")]
+    with store.session(deployed["wh"], read_only=True) as con:
+        assert duplicated_keys(con) == {}
+        by_attempt = store.rows(con, "SELECT stage, item, attempt_id FROM run_stages WHERE run_id = ? ORDER BY stage, item",
+                                [run_id])
+    first = {(m["stage"], m["item"]) for m in by_attempt if m["attempt_id"] == run_id}
+    # Download, the build and the base's evaluation were stored before the kill, and not done again.
+    assert {s for s, _ in first} == {"download", "quantize", "evaluate"} and len(first) == 3
+    assert {m["stage"] for m in by_attempt if m["attempt_id"] == f"{run_id}#2"} == {"evaluate", "kl", "benchmark",
+                                                                                    "decide"}
 
 
 def test_nightly_starts_only_models_whose_inputs_changed(deployed):
     """After the runs above, the nightly (through the server) skips the unchanged model; a changed
-    suite makes it start exactly that model's evaluate-model run."""
+    suite makes it start exactly that model's evaluate-model run, in an order its artifact states."""
+    from prefect.client.schemas.actions import WorkPoolUpdate
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
     env, tmp = deployed["env"], deployed["tmp"]
+    with client(deployed["url"]) as c:  # the runs it starts wait in the pool, to be looked at
+        c.update_work_pool("quantgate-gpu", WorkPoolUpdate(is_paused=True))
     changed = tmp / "catalog-changed.yaml"
     changed.write_text(CATALOG.format(model=TINY_MODEL, suite="quick").replace("batch_size: 16", "batch_size: 8"))
     same = subprocess.run([*CLI, "nightly", "--deployment", "evaluate-model/evaluate-model", "-c",
@@ -237,6 +381,11 @@ def test_nightly_starts_only_models_whose_inputs_changed(deployed):
     assert len(runs) == before + 1 and len(new) == 1
     assert new[0].parameters["model"] == "stories260k" and new[0].parameters["catalog"] == str(changed)
     assert new[0].name == "evaluate stories260k (nightly)" and "model:stories260k" in new[0].tags
+    with client(deployed["url"]) as c:
+        plans = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["nightly-plan"])))
+    plan = max(plans, key=lambda a: a.created).data
+    assert "Runs start in the order below, on pool quantgate-gpu (no pool-wide limit;" in plan
+    assert "| 1 | stories260k | run | submitted | " in plan and str(new[0].id) in plan
 
 
 def test_watcher_triggers_exactly_the_new_releases_once(deployed):

@@ -18,6 +18,7 @@ from quantgate.catalog.records import (
 )
 from quantgate.warehouse import store
 from tests.postgres import postgres_server, server_bin
+from tests.warehouse_checks import duplicated_keys
 
 pytestmark = pytest.mark.skipif(server_bin() is None, reason="PostgreSQL's server is not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,17 +70,6 @@ def write_runs(model_id: str, attempts: list[str]) -> None:
 def _writer(model_id: str, attempts: list[str], env: dict[str, str]) -> subprocess.Popen:
     code = f"from tests.test_lake_concurrency import write_runs; write_runs({model_id!r}, {attempts!r})"
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-
-
-def duplicated_keys(con) -> dict[str, int]:
-    """{table: rows beyond the first of their key}, for every table of schema_keys; empty when each key is once."""
-    extra = {}
-    for table, key in con.execute("SELECT table_name, key_columns FROM schema_keys ORDER BY 1").fetchall():
-        columns = ", ".join(f'"{c}"' for c in key)
-        (n,) = con.execute(f"SELECT count(*) - count(DISTINCT ({columns})) FROM {table}").fetchone()
-        if n:
-            extra[table] = n
-    return extra
 
 
 @pytest.fixture(scope="module")

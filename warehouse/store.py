@@ -364,12 +364,15 @@ def _attempt_may_be_running(host: str | None, pid: int | None, this_host: str) -
 
 
 def begin_run(con, attempt_id: str, flow_name: str, model_id: str, resume_key: str, catalog_path: str | None,
-              catalog_hash: str | None, host: str, versions: dict[str, str]) -> tuple[str, bool]:
+              catalog_hash: str | None, host: str, versions: dict[str, str],
+              exclusive: bool = False) -> tuple[str, bool]:
     """Start a run for this flow run, or resume an unfinished one: (run_id, resumed).
 
     The latest run of `model_id` is resumed when it did not finish (failed, or running with no attempt
     that may still be at work), and was asked to do the same thing (`resume_key`). Its attempts that
     died without a word are marked abandoned. A Prefect retry of the same flow run continues its run.
+    `exclusive`: the caller holds the model's lock (tasks/runtime/placement.py), so no other attempt of the
+    model is at work on any host, whatever its row says; otherwise an attempt on another host may be.
     Otherwise a new run keyed by `attempt_id` starts; unfinished runs of the model whose processes are
     gone are then marked failed ("abandoned"), so that nothing stays 'running' forever.
     """
@@ -386,9 +389,10 @@ def begin_run(con, attempt_id: str, flow_name: str, model_id: str, resume_key: s
                              " LIMIT 1", [flow_name, model_id]).fetchone()
         dead = []
         for run in unfinished:
-            live = [a for a in rows(con, "SELECT host, pid FROM run_attempts WHERE run_id = ? AND status = 'running'",
-                                    [run["run_id"]]) if _attempt_may_be_running(a["host"], a["pid"], host)]
-            legacy = run["status"] == "running" and not con.execute(
+            live = [] if exclusive else [
+                a for a in rows(con, "SELECT host, pid FROM run_attempts WHERE run_id = ? AND status = 'running'",
+                                [run["run_id"]]) if _attempt_may_be_running(a["host"], a["pid"], host)]
+            legacy = not exclusive and run["status"] == "running" and not con.execute(
                 "SELECT 1 FROM run_attempts WHERE run_id = ?", [run["run_id"]]).fetchone()
             if not live and not legacy:
                 dead.append(run)
