@@ -303,6 +303,20 @@ def test_speed_is_judged_on_its_passes_range_and_is_inconclusive_where_it_spans_
     assert one.decision == "accept" and "speedup 1.02x >= 1.0x" in one.reason
 
 
+def test_a_speed_ratio_the_host_paced_is_labelled_so_in_the_verdict():
+    # reference9's GPTQ over base on the H200: both sides' engine core on a CPU ~97% of each pass, decode steps 5x
+    # the weights' memory floor. The label does not change the outcome; it says what the ratio is worth.
+    rows = [{**passes(0.84, 0.79, 0.88)[0], "host_bound": True, "host_busy_share": 0.97}]
+    d = decide(VARIANT, 100, rec(0.99), rows, POLICY)
+    (check,) = [c for c in d.checks if c.kind == "speed"]
+    assert check.outcome == "fail" and check.detail["host_bound"] is True
+    assert ("0.79-0.88x) < 1.0x; host-bound (the engine's busiest process on a CPU 97% of a pass, decode steps 3x or"
+            " more its weights' memory floor): this ratio moves with the host") in d.reason
+    paced_by_gpu = decide(VARIANT, 100, rec(0.99), [{**rows[0], "host_bound": False}], POLICY)
+    assert "host-bound" not in paced_by_gpu.reason
+    assert [c for c in paced_by_gpu.checks if c.kind == "speed"][0].detail["host_bound"] is False
+
+
 def with_chance(rows, chance):
     """Rows of variant_recovery as the view gives them for a task with a chance level."""
     return [{**r, "chance": chance,

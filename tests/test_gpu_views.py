@@ -135,6 +135,10 @@ def test_crosscheck_compares_like_for_like_and_engines_side_by_side(con):
     # The CPU others took during each side's passes: ours the median of its three; the bench row has no such readings.
     assert (cc["ours_other_cpu_s"], cc["ours_steal_s"]) == (0.5, 0.0)
     assert (cc["bench_other_cpu_s"], cc["bench_steal_s"]) == (None, None)
+    # Agreement over passes, not the medians' point gap: every pairing spans -18% to +9%.
+    assert cc["output_gap_low_pct"] == pytest.approx(100 * (900 / 1100 - 1))
+    assert cc["output_gap_high_pct"] == pytest.approx(100 * (1200 / 1100 - 1))
+    assert cc["agreement"] == "passes too spread to resolve 3% (every pairing: -18.2% to +9.1%)"
 
     (cmp,) = store.rows(con, "SELECT * FROM engine_comparison")
     assert (cmp["variant"], cmp["weights"], cmp["vllm_over_transformers"]) == ("bf16", "dummy", 4.0)
@@ -195,3 +199,43 @@ def test_speedup_carries_the_range_its_passes_allow(tmp_path):
     assert (off["passes"], off["base_passes"]) == (3, 3)
     one = rows["one"]
     assert one["speedup_low"] == one["speedup_high"] == pytest.approx(1.2) and one["passes"] == 1
+
+
+def test_crosscheck_agreement_and_host_bound_rows_from_their_passes(tmp_path):
+    def clocked(tps, busy):
+        """Passes of 1 s whose engine core (the group less this process) was on a CPU `busy` of the time."""
+        return [{"tokens_per_s": t, "wall_s": 1.0, "cpu_s": 0.1 + busy, "front_cpu_s": 0.1} for t in tps]
+
+    with store.session(tmp_path / "h.ducklake") as con:
+        store.start_run(con, RUN, "evaluate-model", "qwen-1.5b", "models.yaml", "h", "host", {})
+        store.record_model(con, RUN, ModelArtifact("qwen-1.5b", "/m", "local", None, "abc" * 10))
+        store.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
+        store.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
+        # Weights of 3.087 GB over 4,200 GB/s: a 0.735 ms floor per decode step (reference9's base on the H200).
+        latency = dict(tpot_ms=2.7, bandwidth_gbps=4200.0, weight_bytes_per_token=3_087_431_680)
+        store.record_speed(con, RUN, BASE, [
+            _speed("vllm", "latency", 370.0, repetitions=clocked([370, 371], 0.97), **latency),
+            _speed("vllm", "offline", 1000.0, tpot_ms=5.1, repetitions=clocked([990, 1000, 1010], 0.97)),
+            _speed("vllm-bench", "offline", 1000.0, repetitions=[{"tokens_per_s": t} for t in (995, 1000, 1005)]),
+            _speed("vllm", "far", 1105.0, tpot_ms=5.1, repetitions=clocked([1100, 1110], 0.5)),
+            _speed("vllm-bench", "far", 1000.0, repetitions=[{"tokens_per_s": t} for t in (1000, 1010)]),
+        ])
+        store.record_speed(con, RUN, W4, [
+            _speed("vllm", "latency", 400.0, repetitions=clocked([400, 401], 0.4), **latency),
+            _speed("vllm", "offline", 1100.0, tpot_ms=1.5, repetitions=clocked([1100, 1100], 0.97)),
+        ])
+        checks = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM vllm_crosscheck")}
+        passes = {(r["variant_uid"], r["scenario"]): r
+                  for r in store.rows(con, "SELECT * FROM stg_speed_passes WHERE engine = 'vllm'")}
+        speedups = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM variant_speedup")}
+    assert checks["offline"]["agreement"] == "within 3% (every pairing of passes: -1.5% to +1.5%)"
+    assert checks["far"]["agreement"] == "differs by +10.5% (every pairing of passes: +8.9% to +11.0%)"
+    # The base's offline row: its engine core on a CPU 97% of each pass, steps of 5.1 ms against a 0.735 ms floor.
+    base = passes[(BASE, "offline")]
+    assert base["host_busy_share"] == pytest.approx(0.97) and base["memory_floor_ms"] == pytest.approx(0.735, abs=1e-3)
+    assert base["host_bound"] is True
+    # Busy, but steps near the floor: the GPU set the pace. A CPU mostly idle: the GPU again.
+    assert passes[(W4, "offline")]["host_bound"] is False and passes[(BASE, "far")]["host_bound"] is False
+    assert passes[(W4, "latency")]["host_bound"] is False
+    # A ratio with a host-bound side is labelled host-bound.
+    assert speedups["offline"]["host_bound"] is True and speedups["offline"]["host_busy_share"] == pytest.approx(0.97)

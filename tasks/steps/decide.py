@@ -188,12 +188,19 @@ def _speed_check(policy: Policy, speed: Sequence[dict[str, Any]]) -> DecisionChe
     outcome: CheckOutcome = "pass" if lo >= t else "fail" if hi < t else "inconclusive"
     verdict = {"pass": f">= {t}x", "fail": f"< {t}x",
                "inconclusive": f"spans {t}x: inconclusive; more or longer passes would decide"}[outcome]
+    # Where the host paced the passes (the engine's Python, not the GPU), the ratio is the host's as much as the
+    # checkpoints': the verdict says so, so that nobody keeps it as the GPU's.
+    host = (f"; host-bound (the engine's busiest process on a CPU {row['host_busy_share']:.0%} of a pass, decode steps"
+            " 3x or more its weights' memory floor): this ratio moves with the host") if row.get("host_bound") else ""
     if not ranged:
-        return DecisionCheck("speed", name, outcome, f"{name} speedup {s:.2f}x {verdict}", value=s, threshold=t)
+        return DecisionCheck("speed", name, outcome, f"{name} speedup {s:.2f}x {verdict}{host}", value=s, threshold=t,
+                             detail={"host_bound": bool(row.get("host_bound"))})
     passes = f"every pairing of its {row['passes']} passes with the base's {row['base_passes']}"
-    return DecisionCheck("speed", name, outcome, f"{name} speedup {s:.2f}x ({passes}: {lo:.2f}-{hi:.2f}x) {verdict}",
+    return DecisionCheck("speed", name, outcome,
+                         f"{name} speedup {s:.2f}x ({passes}: {lo:.2f}-{hi:.2f}x) {verdict}{host}",
                          value=s, lower=lo, upper=hi, threshold=t,
-                         detail={"passes": row["passes"], "base_passes": row["base_passes"]})
+                         detail={"passes": row["passes"], "base_passes": row["base_passes"],
+                                 "host_bound": bool(row.get("host_bound"))})
 
 
 def _serving_check(policy: Policy, serving: Sequence[dict[str, Any]]) -> DecisionCheck | None:
