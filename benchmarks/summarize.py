@@ -130,6 +130,16 @@ def evaluate_sections(con: duckdb.DuckDBPyConnection, rid: str) -> list[Section]
             ("base point", "base_point", cell), ("base goodput req/s", "base_goodput_requests_per_s", fixed(2)),
             ("ratio", "goodput_ratio", fixed(3)), ("status", "status", str), ("reason", "reason", cell),
         ]),
+        Section("speedups", "Speedups over the base, with every pairing of passes", store.rows(
+            con, "SELECT s.*, v.name AS variant FROM variant_speedup s JOIN variants v USING (variant_uid)"
+                 " WHERE s.run_id = ? AND s.speedup IS NOT NULL ORDER BY v.name, s.engine, s.scenario", [rid]), [
+            ("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
+            ("speedup", "speedup", fixed(2)), ("low", "speedup_low", fixed(2)), ("high", "speedup_high", fixed(2)),
+            ("passes", "passes", cell), ("base passes", "base_passes", cell),
+            ("host-bound", "host_bound", cell), ("busiest CPU share", "host_busy_share", percent),
+        ], note="low pairs the variant's slowest pass with the base's fastest, high its fastest with the base's slowest;"
+                " host-bound: the host paced either side's passes (its busiest process on a CPU 90% or more of a pass,"
+                " decode steps 3x or more the weights' memory floor), so the ratio moves with the host."),
     ]
     if _has_relation(con, "stage_times"):  # since migration 0009; runs before it have no start times
         parts.append(Section("stage_times", "Stage times", store.rows(

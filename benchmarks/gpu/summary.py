@@ -81,7 +81,7 @@ def sections(con: Any, rid: str) -> list[Section]:
                             " WHERE c.run_id = ? ORDER BY v.name, c.scenario", [rid]),
             [("variant", "variant", str), ("scenario", "scenario", str),
              ("ours out tok/s", "ours_output_tokens_per_s", fixed(0)), ("bench out tok/s", "bench_output_tokens_per_s", fixed(0)),
-             ("gap %", "output_gap_pct", fixed(1)),
+             ("gap %", "output_gap_pct", fixed(1)), ("agreement", "agreement", cell),
              ("ours passes", "ours_passes", str), ("ours slowest", "ours_slowest_pass", fixed(0)),
              ("ours fastest", "ours_fastest_pass", fixed(0)), ("bench passes", "bench_passes", str),
              ("bench slowest", "bench_slowest_pass", fixed(0)), ("bench fastest", "bench_fastest_pass", fixed(0)),
