@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.summarize import load  # noqa: E402
 from quantgate.catalog.errors import CatalogError
 from quantgate.catalog.load import load_catalog
-from quantgate.catalog.models import PublishedFigure
+from quantgate.catalog.models import ModelSpec, PublishedFigure
 from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.warehouse import store  # noqa: E402
 
@@ -41,13 +41,19 @@ def _shown(path: Path) -> str:
     return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.as_posix()
 
 
-def _published(catalog: Path, model_id: str) -> tuple[dict[tuple[str, str], PublishedFigure], str | None]:
-    """The model's published figures by (task, metric), or none and why."""
+def _spec(catalog: Path, model_id: str) -> ModelSpec | None:
     try:
-        spec = load_catalog(catalog).model(model_id)
+        return load_catalog(catalog).model(model_id)
     except CatalogError as e:
         if f"unknown model {model_id!r}" not in str(e):
             raise
+        return None
+
+
+def _published(catalog: Path, model_id: str) -> tuple[dict[tuple[str, str], PublishedFigure], str | None]:
+    """The model's published figures by (task, metric), or none and why."""
+    spec = _spec(catalog, model_id)
+    if spec is None:
         return {}, f"{_shown(catalog)} has no model {model_id}, so no published figure stands beside its scores."
     figures = {(f.task, f.metric): f for f in spec.published}
     why = None if figures else (f"{_shown(catalog)} declares no published figure for {model_id}"
@@ -78,6 +84,31 @@ def _base_beside_published(con: Any, run_id: str, model_id: str, catalog: Path) 
                      f" {f.source if f else '—'} |")
     if why:
         lines += ["", why]
+    return lines
+
+
+def _builds_beside_published(con: Any, run_id: str, model_id: str, catalog: Path) -> list[str]:
+    """Each published recovery of a near model's quantized build beside ours of the variant of the same method and
+    bits on the same gated check (none where this run has no such variant)."""
+    spec = _spec(catalog, model_id)
+    if spec is None or not spec.published_recoveries:
+        return []
+    ours = store.rows(con, "SELECT v.name AS variant, v.method, v.bits, c.task, c.metric, c.value, c.lower, c.upper"
+                           " FROM decision_checks c JOIN variants v USING (variant_uid)"
+                           " WHERE c.run_id = ? AND c.kind = 'quality' ORDER BY v.name", [run_id])
+    lines = ["", f"Quantized builds of the nearest model their publisher measured, beside ours of the same method and bits"
+                 f" ({_shown(catalog)}, the model's `published_recoveries`): another model, so the direction is what"
+                 " compares, not the figure.", "",
+             "| their build | their model | check | their recovery | our variant | our recovery | 95% interval |"
+             " their protocol | source |", "|---|---|---|---|---|---|---|---|---|"]
+    for p in spec.published_recoveries:
+        mine = [r for r in ours if (r["method"], r["bits"], r["task"], r["metric"]) == (p.method, p.bits, p.task,
+                                                                                          p.metric)]
+        for r in mine or [None]:
+            interval = "—" if r is None or r["lower"] is None else f"[{_num(r['lower'])}, {_num(r['upper'])}]"
+            lines.append(f"| {p.build} | {p.model} | {p.task}/{p.metric} | {_num(p.recovery)} |"
+                         f" {r['variant'] if r else '— (no such variant)'} | {_num(r and r['value'])} | {interval} |"
+                         f" {p.protocol} | {p.source} |")
     return lines
 
 
@@ -118,6 +149,7 @@ def section(folder: Path, catalog: Path = DEFAULT_CATALOG) -> str:
         lines.append(f"| {c['variant']} | {c['name']} | {_num(c['value'])} | {interval} |"
                      f" {_num(c['min_detectable_drop'])} | {c['items'] or '—'} | {c['outcome']} |")
     lines += _base_beside_published(con, run["run_id"], run["model_id"], catalog)
+    lines += _builds_beside_published(con, run["run_id"], run["model_id"], catalog)
     lines.append(END)
     return "\n".join(lines)
 

@@ -34,6 +34,23 @@ class PublishedFigure(Strict):
         return self
 
 
+class PublishedRecovery(Strict):
+    """How much of a gated task's score a quantized build kept, as another party published it for the nearest
+    model it measured (not this one): an external check of the direction of this model's verdicts, shown beside
+    our recovery of the variant of the same `method` and `bits` (benchmarks/readme_verdicts.py); no gate reads
+    it. `recovery` is the build's score over its bf16 original's, computed from the published pair."""
+
+    model: str = Field(min_length=1)
+    build: str = Field(min_length=1)
+    method: str = Field(min_length=1)
+    bits: int = Field(ge=1, le=16)
+    task: str
+    metric: str
+    recovery: float = Field(gt=0, allow_inf_nan=False)
+    protocol: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+
+
 class ModelSpec(Strict):
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]*$")
     source: Source
@@ -47,3 +64,5 @@ class ModelSpec(Strict):
     policy: Policy | None = None
     # Published figures for its gated checks, one per check, with their source: shown beside the base's scores.
     published: tuple[PublishedFigure, ...] = ()
+    # Published recoveries of quantized builds of the nearest model their publisher measured, with their source.
+    published_recoveries: tuple[PublishedRecovery, ...] = ()

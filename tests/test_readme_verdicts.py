@@ -70,3 +70,14 @@ def test_no_figure_declared_or_no_such_model_is_said(tmp_path):
     section = _section()
     assert section.strip() in readme
     assert "python benchmarks/readme_verdicts.py" in section and "--catalog" not in section
+
+
+def test_a_near_models_published_build_recoveries_stand_beside_ours(tmp_path):
+    # The packaged catalog: Qwen's own builds of Qwen2-1.5B-Instruct (MMLU over bf16's), matched by method and bits.
+    rows = [ln for ln in _section().splitlines() if ln.startswith("| GPTQ-") or ln.startswith("| AWQ |")]
+    cells = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")] for r in rows}
+    assert cells["GPTQ-Int4"][:7] == ["GPTQ-Int4", "Qwen2-1.5B-Instruct", "qg_mmlu/acc", "0.968", "gptq-w4a16-g128",
+                                      "0.941", "[0.890, 0.995]"]
+    assert cells["AWQ"][3:7] == ["0.985", "awq-w4a16-g128", "0.975", "[0.930, 1.021]"]
+    assert cells["GPTQ-Int8"][4:6] == ["— (no such variant)", "—"]  # the run built no 8-bit GPTQ
+    assert all("quantization_benchmark.rst" in c[-1] for c in cells.values())
