@@ -177,17 +177,16 @@ def evaluate_model(
     try:
         with placement.placed(spec.id, gpu_count) if pooled else nullcontext() as where:
             return _run(cat, cat_path, spec, warehouse, workdir, engines, remeasure,
-                        where.lanes if where else launch.lanes_from(gpus), where)
+                        where.lanes if where else launch.lanes_from(gpus), where, attempt)
     except placement.PlacementError as e:
         return Failed(message=str(e))
 
 
 def _run(cat: Catalog, cat_path: Path, spec: ModelSpec, warehouse: str | None, workdir: str | None,
          engines: list[str] | None, remeasure: bool, lanes: list[str | None],
-         where: placement.Placement | None) -> list[dict] | State:
-    """The flow run's work, where it was placed: its warehouse run begun or resumed, its stages, its scorecard."""
-    # Each start of the same flow run (Prefect's retry after a crash) is an attempt of its own.
-    attempt = flow_run.run_count or 1
+         where: placement.Placement | None, attempt: int) -> list[dict] | State:
+    """The flow run's work, where it was placed: its warehouse run begun or resumed, its stages, its scorecard.
+    Each start of the same flow run (`attempt`: Prefect's retry after a crash) is an attempt of its own."""
     attempt_id = str(flow_run.id) + (f"#{attempt}" if attempt > 1 else "")
     wh = warehouse or str(store.default_path())
     root = work_dir(workdir)
