@@ -26,10 +26,19 @@ class QualityGate(Strict):
     recovery: Literal["plain", "above_chance"] = "plain"
 
 
+# Where the host paced the engine (host-bound: the engine's Python, not the GPU, set the pace of a decode step), a
+# ratio of two checkpoints is the host's as much as theirs, and it moves from one machine to the next (the
+# reference model's FP8 build measured 1.00x and 0.74x of its base on two H200 hosts). `uninformative` (the
+# default) lets such a check decide nothing, as a quality gate at chance decides nothing; `decide` lets it decide
+# (a fleet whose hosts are all like the one measured).
+HostBound = Literal["uninformative", "decide"]
+
+
 class SpeedGate(Strict):
     engine: Literal["transformers", "vllm"]
     scenario: str
     min_speedup: float = Field(gt=0)
+    host_bound: HostBound = "uninformative"
 
 
 class ServingGate(Strict):
@@ -38,6 +47,8 @@ class ServingGate(Strict):
 
     scenario: str
     min_goodput_ratio: float = Field(gt=0)
+    # The served checkpoints' vLLM engines host-bound in this run's offline or latency passes (HostBound).
+    host_bound: HostBound = "uninformative"
 
 
 class Policy(Strict):

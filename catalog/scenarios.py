@@ -195,7 +195,17 @@ class ScenarioBase(Strict):
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
-class OfflineScenario(ScenarioBase):
+class SessionScenario(ScenarioBase):
+    """A scenario timed in passes inside one engine session (offline, latency)."""
+
+    # On a variant, its passes alternate with the base's, both loaded in the variant's engine process (base,
+    # variant, variant, base, ...), and the speedup is read from those pairs: at a size where the host paces a
+    # decode step, the host's drift between two windows minutes apart moved a ratio by 20% or more
+    # (tasks/steps/benchmark.py). Off: the variant's passes alone, its ratio to the base's own session.
+    paired: bool = True
+
+
+class OfflineScenario(SessionScenario):
     """All prompts as fast as possible: vLLM takes them in one call and schedules them itself (as `vllm bench
     throughput` does, which cross-checks it), Transformers runs static batches of batch_size."""
 
@@ -221,7 +231,7 @@ class OfflineScenario(ScenarioBase):
         return self.num_prompts
 
 
-class LatencyScenario(ScenarioBase):
+class LatencyScenario(SessionScenario):
     """One request at a time."""
 
     kind: Literal["latency"] = "latency"

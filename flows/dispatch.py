@@ -67,6 +67,8 @@ class SpeedJob:
     variant: VariantArtifact
     engine: str
     scenarios: tuple[tuple[str, ScenarioSpec], ...]
+    # The base checkpoint a variant's paired scenarios alternate their passes with (run_scenarios' pair_with).
+    pair_with: str | None = None
 
     @property
     def label(self) -> str:
@@ -81,10 +83,11 @@ class JobResult:
 
 
 def speed_jobs(variant: VariantArtifact, scenarios: Sequence[tuple[str, ScenarioSpec]],
-               engines: Sequence[str] | None = None) -> list[SpeedJob]:
+               engines: Sequence[str] | None = None, base_path: str | None = None) -> list[SpeedJob]:
     """A checkpoint's scenarios as engine starts: per engine, one job for each distinct engine option set
     (tasks/steps/benchmark.engine_sessions), and one per serving scenario; a variant leaves out the base-only
-    scenarios and engines."""
+    scenarios and engines, and its engine sessions alternate their paired scenarios' passes with the base at
+    `base_path`."""
     base = variant.method == "base"
     if not base:
         scenarios = [(name, s) for name, s in scenarios if not s.base_only]
@@ -99,16 +102,17 @@ def speed_jobs(variant: VariantArtifact, scenarios: Sequence[tuple[str, Scenario
         alone = [item for item in mine if item[1].kind == "serving" or engine == "vllm-bench"]
         jobs += [SpeedJob(variant, engine, (item,)) for item in alone]
         shared = [item for item in mine if item not in alone]
-        jobs += [SpeedJob(variant, engine, tuple(group)) for group in engine_sessions(variant.path or "", shared)]
+        pair = None if base else base_path
+        jobs += [SpeedJob(variant, engine, tuple(group), pair) for group in engine_sessions(variant.path or "", shared)]
     return jobs
 
 
 def measure(model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], log_dir: Path,
-            label: str, in_flow: bool = True) -> JobResult:
+            label: str, in_flow: bool = True, pair_with: str | None = None) -> JobResult:
     """One engine start's scenarios on one checkpoint here: an engine session (offline, latency scenarios
     that share engine options), or `vllm serve` driven through a serving scenario's loads (one run per
     point of its sweep, logs under log_dir). `in_flow` runs them as Prefect tasks of the flow run; a process
-    of a lane calls the plain functions."""
+    of a lane calls the plain functions. `pair_with`: an engine session's base to alternate passes with."""
     # Which GPUs the process that measured saw: a lane's one GPU, or all of this process's.
     seen = {"cuda_visible_devices": settings().cuda_visible_devices}
 
@@ -127,7 +131,7 @@ def measure(model_path: str, engine: str, scenarios: Sequence[tuple[str, Scenari
         return JobResult(measured, sum(_starts([result]) for result, _ in measured))
     bench = (benchmark_task.with_options(task_run_name=f"benchmark {engine} {'+'.join(n for n, _ in scenarios)}"
                                          f" on {label}") if in_flow else run_scenarios)
-    results = bench(model_path, engine, list(scenarios), log_dir=log_dir)
+    results = bench(model_path, engine, list(scenarios), log_dir=log_dir, pair_with=pair_with)
     return JobResult(rows(results), _starts(results))
 
 
@@ -144,12 +148,13 @@ class Measurements:
     else shares the GPU and measures once it has it alone, tasks/runtime/launch.measuring); `run(variants)` takes the
     rest, each variant's scenarios as speed jobs (one engine start each: `speed_jobs`) in `lanes` (GPU ids: one
     job per GPU at a time, in a process that sees only that GPU; None: this process's view), so that two
-    measurements never share a GPU, and waits for all."""
+    measurements never share a GPU, and waits for all. A variant's engine sessions alternate passes with the
+    base at `base_path` (speed_jobs)."""
 
     def __init__(self, spec: ModelSpec, cat: Catalog, root: Path, engines: Sequence[str] | None = None,
                  on_variant: Callable[[str, JobResult], None] | None = None, lanes: Sequence[str | None] = (None,),
-                 pool: launch.Jobs | None = None) -> None:
-        self.spec, self.root, self.engines, self.lanes = spec, root, engines, lanes
+                 pool: launch.Jobs | None = None, base_path: str | None = None) -> None:
+        self.spec, self.root, self.engines, self.lanes, self.base_path = spec, root, engines, lanes, base_path
         self.scenarios = [(name, cat.scenarios[name]) for name in spec.scenarios]
         self._on_variant, self._pool = on_variant, pool
         self._jobs: dict[str, list[SpeedJob]] = {}
@@ -182,7 +187,7 @@ class Measurements:
         with self._finishing:
             self._rank[v.uid] = len(self._rank)
             self._variants[v.uid] = v
-            self._jobs[v.uid] = speed_jobs(v, self.scenarios, self.engines)
+            self._jobs[v.uid] = speed_jobs(v, self.scenarios, self.engines, self.base_path)
 
     def _run_job(self, job: SpeedJob, lane: str | None) -> None:
         v = job.variant
@@ -192,11 +197,11 @@ class Measurements:
         # Checkpoints measure in the order they were given: each one's rows are in before the next one's begin.
         with tags(f"model:{self.spec.id}", f"variant:{v.name}"), launch.ranked(self._rank[v.uid]):
             if lane is None:
-                result = measure(v.path or "", job.engine, job.scenarios, log_dir, label)
+                result = measure(v.path or "", job.engine, job.scenarios, log_dir, label, pair_with=job.pair_with)
             else:
                 get_run_logger().info("GPU %s: %s", lane, job.label)
                 result = launch.on_gpus(lane, None, measure, v.path or "", job.engine, job.scenarios, log_dir,
-                                        label, False)
+                                        label, False, job.pair_with)
         self._done[job] = dataclasses.replace(result, started_at=started)
         self._finish_if_complete(v)
 
@@ -220,7 +225,8 @@ def benchmark_all(
 ) -> dict[str, JobResult]:
     """Every (scenario, engine) of `spec` on every variant, by variant uid, in catalog order (only the engines
     named in `engines`, when given); serving scenarios (vLLM only) bring their loads along (`Measurements.run`)."""
-    return Measurements(spec, cat, root, engines, on_variant, lanes).run(variants)
+    base = next((v.path for v in variants if v.method == "base"), None)
+    return Measurements(spec, cat, root, engines, on_variant, lanes, base_path=base).run(variants)
 
 
 def _kept(declared: Sequence[str], engines: Sequence[str] | None) -> list[str]:

@@ -277,7 +277,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, engines: lis
     # nothing else is left to do. Elsewhere (a CPU, several lanes) the benchmarks follow KL.
     early = starts_engines_early(setup, lanes)
     with launch.gpu_clock(), launch.jobs(settings().engines_per_gpu if early else 1) as engine_pool:
-        speed = _SpeedStage(run, plan, spec, cat, root, engines, remeasure, lanes, engine_pool if early else None)
+        speed = _SpeedStage(run, plan, spec, cat, root, base, engines, remeasure, lanes,
+                            engine_pool if early else None)
         # The unmeasured phase, its jobs and KL, holds a share of the GPU from here to KL's end, so no measurement
         # slips into a gap between its jobs (on the H200, measurements that did kept KL waiting behind them).
         # Each evaluation is promised the memory its engine asks to find free at start, until it has loaded: the
@@ -433,10 +434,10 @@ class _SpeedStage:
     that measures it; each checkpoint's rows stored with its mark as soon as they are in. With a `pool` (one GPU)
     measuring begins at `ready`, else at `finish`."""
 
-    def __init__(self, run: _Run, plan: SpeedPlan, spec: ModelSpec, cat: Catalog, root: Path,
+    def __init__(self, run: _Run, plan: SpeedPlan, spec: ModelSpec, cat: Catalog, root: Path, base: VariantArtifact,
                  engines: list[str] | None, remeasure: bool, lanes: list[str | None], pool: launch.Jobs | None) -> None:
         self.run, self.plan, self.remeasure, self.early = run, plan, remeasure, pool is not None
-        self.measurements = dispatch.Measurements(spec, cat, root, engines, self._store, lanes, pool)
+        self.measurements = dispatch.Measurements(spec, cat, root, engines, self._store, lanes, pool, base.path)
         self.started: dict[str, VariantArtifact] = {}
         self.takers: dict[str, list[VariantArtifact]] = {}
         self.sources: dict[str, tuple[str, str] | None] = {}

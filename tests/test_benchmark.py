@@ -12,7 +12,7 @@ from quantgate.catalog.scenarios import LatencyScenario, OfflineScenario, Sampli
 from quantgate.tasks.adapters.engines import EngineError, EngineOptions, create
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
 from quantgate.tasks.adapters.speed.prompts import make_prompt_sets, make_prompts
-from quantgate.tasks.steps.benchmark import run_scenario
+from quantgate.tasks.steps.benchmark import run_scenario, run_scenarios
 from tests.shared_data import TINY_MODEL
 
 TINY = TINY_MODEL
@@ -77,6 +77,37 @@ def test_latency_scenario_times_each_request_alone():
     rep = r.repetitions[0]
     assert rep["requests_per_s"] == pytest.approx(3 / rep["wall_s"])
     assert rep["e2el_ms"] < rep["wall_s"] * 1000  # one request's latency, not the whole run
+
+
+def test_a_variants_passes_alternate_with_the_bases_in_its_engine_process(tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(TINY, base)
+    alone = SMALL.model_copy(update={"paired": False})
+    paired, unpaired = run_scenarios(str(TINY), "transformers", [("tiny", SMALL), ("alone", alone)],
+                                     pair_with=str(base))
+
+    assert paired.status == unpaired.status == "ok", (paired.reason, unpaired.reason)
+    # The base's passes, on the same prompts, one beside each of the variant's; its load is a start of the session.
+    base_passes = paired.details["paired_base"]
+    assert len(base_passes) == len(paired.repetitions) == 3 and all(p["output_tokens"] == 32 for p in base_passes)
+    assert paired.details["engine_starts"] == 2 and "unpaired" not in paired.details
+    assert "paired_base" not in unpaired.details
+    # Base, variant, variant, base, base, variant: each pair's two passes next to each other in time.
+    order = sorted([(p["began_at"], "b") for p in base_passes] + [(p["began_at"], "v") for p in paired.repetitions])
+    assert "".join(side for _, side in order) == "bvvbbv"
+
+
+def test_a_base_that_does_not_load_leaves_the_variant_measured_alone_saying_why(tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(TINY, broken)
+    (broken / "model.safetensors").chmod(0o644)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+
+    (r,) = run_scenarios(str(TINY), "transformers", [("tiny", SMALL)], pair_with=str(broken))
+
+    assert r.status == "ok", r.reason
+    assert "paired_base" not in r.details and r.details["engine_starts"] == 1
+    assert r.details["unpaired"].startswith("the base did not load beside it: ") and "\n" not in r.details["unpaired"]
 
 
 @no_gpu

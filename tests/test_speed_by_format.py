@@ -8,6 +8,7 @@ Real `quantgate run` subprocess, Prefect server, DuckDB, llm-compressor and Tran
 from __future__ import annotations
 
 import json
+import statistics
 import struct
 from pathlib import Path
 
@@ -78,6 +79,13 @@ def test_checkpoints_of_one_format_are_measured_once(tmp_path, prefect_api):
         # Every variant is judged on speed, the taker on its format's rows, under its own uid.
         speedups = dict(con.execute("SELECT v.name, s.speedup FROM variant_speedup s JOIN variants v USING (variant_uid)").fetchall())
         assert speedups[taker] == speedups[measurer] is not None and speedups["rtn-w8a16"] is not None
+        # Each measured variant's passes alternated with the base's: its speedup is the median of the pairs' ratios.
+        pairs = con.execute("SELECT speedup, pair_ratios FROM variant_speedup s JOIN stg_speed_pass_lists p USING"
+                            " (run_id, variant_uid, engine, scenario), LATERAL (SELECT list_transform(list_zip("
+                            "p.pass_tps, p.paired_base_tps), lambda x: x[1] / x[2]) AS pair_ratios) WHERE s.paired"
+                            ).fetchall()
+        ok = con.execute("SELECT count(*) FROM variant_speedup WHERE status = 'ok'").fetchone()[0]
+        assert len(pairs) == ok >= 3 and all(s == pytest.approx(statistics.median(r)) for s, r in pairs)
         detail, starts = con.execute("SELECT st.detail, t.engine_starts FROM run_stages st JOIN stage_times t"
                                      " ON t.run_id = st.run_id AND t.stage = st.stage AND t.item = st.item"
                                      " WHERE st.stage = 'benchmark' AND st.item = ?", [uid[taker]]).fetchone()

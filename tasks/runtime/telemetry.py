@@ -49,6 +49,8 @@ class Telemetry:
         self._handle: Any = None
         self._baseline = 0
         self._peak = 0
+        # This process's torch allocator (reserved, allocated) held before the measured engine loaded (`rebase`).
+        self._torch_base = (0, 0)
         self._stop = threading.Event()
         self._still = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,7 +103,7 @@ class Telemetry:
             # This process's allocator is the measured work's only where this process is part of it: not for
             # another group (a server's), whose memory this process's own models and KL would stand in for.
             own = self._group is None or self._group == os.getpgrp()
-            return max(seen, _torch_reserved_peak() if own else 0) or None
+            return max(seen, _torch_reserved_peak() - self._torch_base[0] if own else 0) or None
         # ru_maxrss is in KiB on Linux.
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -121,7 +123,7 @@ class Telemetry:
             return None
         import torch
 
-        return torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
+        return torch.cuda.max_memory_allocated() - self._torch_base[1] if torch.cuda.is_initialized() else None
 
     def sm_clock_mhz(self) -> int | None:
         """The GPU's SM clock now (a cheap device query, not the process list); None without NVML."""
@@ -131,6 +133,18 @@ class Telemetry:
             return int(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
         except self._nvml.NVMLError:
             return None
+
+    def rebase(self) -> None:
+        """From here on, what is in use now is not the region's: an engine loaded before the measured one (the base
+        whose passes a variant's alternate with) stays out of the figures."""
+        if self._handle is not None:
+            self._baseline = self._peak = self._used()
+        if self.device == "cuda":
+            import torch
+
+            if torch.cuda.is_initialized():
+                self._torch_base = (torch.cuda.memory_reserved(), torch.cuda.memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
 
     def reset_peaks(self) -> None:
         """Start the peaks afresh from what is in use now, e.g. between scenarios of one process."""

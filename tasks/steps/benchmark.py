@@ -91,6 +91,7 @@ def run_scenarios(
     timeout_s: float = 3600.0,
     options: Mapping[str, Any] | None = None,
     log_dir: str | Path | None = None,
+    pair_with: str | None = None,
 ) -> list[SpeedResult]:
     """Measure one engine on several (name, scenario) pairs after one engine start, in one process.
 
@@ -100,6 +101,11 @@ def run_scenarios(
     scenario after the start fails that scenario alone. With `log_dir`, the engine process's output
     (vLLM's engine core's too) goes to a file there per attempt, and a failure's reason names the
     root cause found in it.
+
+    With `pair_with` (the base checkpoint of a variant), the same engine loads it too, first, and the passes of
+    each `paired` scenario alternate between the two (`_measure_one`); the variant's rows carry the base's passes
+    as details["paired_base"]. A base that does not load leaves the variant's passes alone, saying why
+    (details["unpaired"]); so does a retry after running out of memory.
     """
     if not scenarios:
         return []
@@ -137,12 +143,13 @@ def run_scenarios(
             skipped = [SpeedResult(engine_name, name, "skipped", why, _config(s, opts)) for name, s in decompressed]
             asked = [item for item in scenarios if item not in decompressed]
             return skipped + run_scenarios(model_path, engine_name, asked, isolate=isolate, timeout_s=timeout_s,
-                                           options=options, log_dir=log_dir)
+                                           options=options, log_dir=log_dir, pair_with=pair_with)
 
     needed_len = max(s.input_len + s.output_len for _, s in scenarios)
     items = [s for _, s in scenarios]
     if engine_name == "vllm":
         opts = sized_kv_cache(opts, model_path, items)
+    pair = _pairing(pair_with, engine_name, device, scenarios, options)
     deadline = time.monotonic() + timeout_s
 
     def start(used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
@@ -150,23 +157,28 @@ def run_scenarios(
         if isolate:
             # A retry after running out of memory starts with the GPU alone: nothing else is loading then, and it
             # is not admitted by memory.
+            paired = pair if not tried else None
             status, payload = launch.in_process_group(
-                _measure_group, (model_path, engine_name, items, used),
+                _measure_group, (model_path, engine_name, items, used, paired),
                 deadline - time.monotonic() if tried else timeout_s, log, name=f"quantgate-bench-{engine_name}",
                 start_alone=tried > 0,
-                memory_bytes=0 if tried else start_memory_bytes(used, model_path, engine_name),
+                memory_bytes=0 if tried else start_memory_bytes(used, model_path, engine_name)
+                + (start_memory_bytes(pair[1], pair[0], engine_name) if pair else 0),
             )
         else:
             try:
-                status, payload = "ok", _measure_group(model_path, engine_name, items, used)
+                status, payload = "ok", _measure_group(model_path, engine_name, items, used, pair)
             except Exception as e:
                 status, payload = "failed", one_line(e)
         return payload if status == "ok" else Failure(payload, log)
 
     tried = retry_on_oom(fallback_options(opts, engine_name, needed_len), deadline, start)
     used, attempts, payload = tried.used, tried.attempts, tried.value
-    # Every row of the group shares these starts: the one load, and one more per out-of-memory retry.
-    details: dict[str, Any] = {"engine_starts": tried.engine_starts}
+    # Every row of the group shares these starts: the one load, one more per out-of-memory retry, and the base's
+    # where it loaded beside the variant.
+    base_loaded = any(status == "ok" and "paired_base" in measured.get("details", {})
+                      for status, measured in tried.value or [])
+    details: dict[str, Any] = {"engine_starts": tried.engine_starts + base_loaded}
     if isolate and (waited := launch.memory_wait_s()):
         details["memory_wait_s"] = round(waited, 3)
     if attempts:
@@ -187,6 +199,19 @@ def run_scenarios(
         out.append(SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured)))
     faults.point("benchmark")
     return out
+
+
+def _pairing(pair_with: str | None, engine_name: str, device: str, scenarios: Sequence[tuple[str, ScenarioSpec]],
+             options: Mapping[str, Any] | None) -> tuple[str, EngineOptions] | None:
+    """The base checkpoint and the options its engine loads with beside a variant's (those of the base's own
+    session of these scenarios), or None when no scenario is paired or there is nothing to pair with."""
+    paired = [s for _, s in scenarios if getattr(s, "paired", False)]
+    if not pair_with or not paired or not Path(pair_with).is_dir():
+        return None
+    opts = engine_options(paired[0], device, options, dummy_weights=wants_random_weights(pair_with, paired[0]))
+    if engine_name == "vllm":
+        opts = sized_kv_cache(opts, pair_with, [s for _, s in scenarios])
+    return pair_with, opts
 
 
 def _load_time_problem(model_path: str, engine_name: str, device: str) -> str | None:
@@ -260,34 +285,57 @@ def speed_environment() -> dict[str, Any]:
 
 
 def _measure_group(
-    model_path: str, engine_name: str, scenarios: list[ScenarioSpec], opts: EngineOptions
+    model_path: str, engine_name: str, scenarios: list[ScenarioSpec], opts: EngineOptions,
+    pair: tuple[str, EngineOptions] | None = None,
 ) -> list[tuple[str, Any]]:
     """Load the engine once and measure each scenario: ("ok", measurements) or ("failed", reason) each.
-    An exception here (the load) fails them all."""
+    An exception here (the variant's load) fails them all. With `pair`, the base loads first, beside it, and
+    each paired scenario's passes alternate between the two (`_measure_one`)."""
     faults.point("measure")  # in the engine's own process when isolated: where an interrupt test holds it
     prompt_sets = [make_prompt_sets(s, model_path, s.warmup + s.repetitions) for s in scenarios]
     engine = engines.create(engine_name)
+    base: Engine | None = None
+    unpaired: str | None = None
     out: list[tuple[str, Any]] = []
     # GPU memory of this process group (the engine and vLLM's engine core): other jobs may share the GPU.
     with Telemetry(opts.device, group=os.getpgrp()) as telemetry:
+        if pair is not None:
+            base, unpaired = _load_base(engine_name, *pair)
+            telemetry.rebase()  # the base's memory is not the variant's
         engine.load(model_path, opts)
         # Loaded: no NVML polling while it waits for the GPU or measures (Telemetry.still says why).
         with telemetry.still(), launch.measuring() as window:
             try:
                 for scenario, sets in zip(scenarios, prompt_sets, strict=True):
                     began = datetime.now(timezone.utc)
+                    paired = getattr(scenario, "paired", False)
                     try:
-                        measured = _measure_one(engine, scenario, sets, telemetry, opts)
+                        measured = _measure_one(engine, scenario, sets, telemetry, opts, base if paired else None)
                         measured["details"].update(window.details(began))
+                        if paired and unpaired:
+                            measured["details"]["unpaired"] = unpaired
                         out.append(("ok", measured))
                     except Exception as e:
                         out.append(("failed", one_line(e)))
             finally:
                 engine.close()
+                if base is not None:
+                    base.close()
             # Measured last, on a GPU the engine has let go of: the ceiling the latency runs are held against.
             if opts.device == "cuda" and any(s.kind == "latency" for s in scenarios):
                 _add_bandwidth(scenarios, out)
     return out
+
+
+def _load_base(engine_name: str, base_path: str, opts: EngineOptions) -> tuple[Engine | None, str | None]:
+    """The base's engine, loaded to alternate with a variant's, or why it did not load."""
+    base = engines.create(engine_name)
+    try:
+        base.load(base_path, opts)
+    except Exception as e:  # the variant is still measured, alone
+        base.close()
+        return None, f"the base did not load beside it: {one_line(e)}"
+    return base, None
 
 
 def _add_bandwidth(scenarios: list[ScenarioSpec], out: list[tuple[str, Any]]) -> None:
@@ -304,19 +352,32 @@ def _add_bandwidth(scenarios: list[ScenarioSpec], out: list[tuple[str, Any]]) ->
 
 
 def _measure_one(
-    engine: Engine, scenario: ScenarioSpec, prompt_sets: list[Prompts], telemetry: Telemetry, opts: EngineOptions
+    engine: Engine, scenario: ScenarioSpec, prompt_sets: list[Prompts], telemetry: Telemetry, opts: EngineOptions,
+    base: Engine | None = None,
 ) -> dict[str, Any]:
+    """The scenario's passes on `engine`; with `base`, each pass beside one of the base's on the same prompts, in
+    the order base, variant, variant, base, ... so that a drift of the host that is linear in time cancels over
+    two pairs, and the ratio of a pair holds what the host did in those seconds alone."""
     telemetry.reset_peaks()
     before = engine.stats()
     for prompts in prompt_sets[: scenario.warmup]:
         _workload(engine, prompts, scenario)
+        if base is not None:
+            _workload(base, prompts, scenario)
     mid = engine.stats()
-    reps = [_repetition(engine, prompts, scenario, telemetry) for prompts in prompt_sets[scenario.warmup :]]
+    reps: list[dict[str, Any]] = []
+    base_reps: list[dict[str, Any]] = []
+    for i, prompts in enumerate(prompt_sets[scenario.warmup :]):
+        if base is not None and i % 2 == 0:
+            base_reps.append(_repetition(base, prompts, scenario, telemetry))
+        reps.append(_repetition(engine, prompts, scenario, telemetry))
+        if base is not None and i % 2 == 1:
+            base_reps.append(_repetition(base, prompts, scenario, telemetry))
     after = engine.stats()
     prompts = prompt_sets[0]
     per_token_j = [r["energy_j"] / r["output_tokens"] if r["energy_j"] is not None else None for r in reps]
     tpot_ms = _median([r["tpot_ms"] for r in reps])
-    details: dict[str, Any] = {}
+    details: dict[str, Any] = {"paired_base": base_reps} if base is not None else {}
     if "spec_decode_draft_tokens" in after:
         # Over the measured repetitions only.
         drafted = after["spec_decode_draft_tokens"] - mid["spec_decode_draft_tokens"]
@@ -371,6 +432,7 @@ def _repetition(
     engine: Engine, prompts: Prompts, scenario: ScenarioSpec, telemetry: Telemetry
 ) -> dict[str, Any]:
     before = telemetry.energy_mj()
+    began_at = time.time()
     with PassClocks() as clocks:
         wall, timings = _workload(engine, prompts, scenario)
     after = telemetry.energy_mj()
@@ -379,6 +441,7 @@ def _repetition(
     # A counter that did not move over a very short run says nothing, so it is not reported as 0 J.
     energy_j = (after - before) / 1000 if before is not None and after is not None and after > before else None
     return {
+        "began_at": began_at,  # UNIX time: the order of a paired session's passes
         "wall_s": wall,
         "input_tokens": prompt_tokens,
         "output_tokens": out,

@@ -189,17 +189,22 @@ def _speed_check(policy: Policy, speed: Sequence[dict[str, Any]]) -> DecisionChe
     verdict = {"pass": f">= {t}x", "fail": f"< {t}x",
                "inconclusive": f"spans {t}x: inconclusive; more or longer passes would decide"}[outcome]
     # Where the host paced the passes (the engine's Python, not the GPU), the ratio is the host's as much as the
-    # checkpoints': the verdict says so, so that nobody keeps it as the GPU's.
+    # checkpoints': the verdict says so, so that nobody keeps it as the GPU's, and by default it decides nothing.
     host = (f"; host-bound (the engine's busiest process on a CPU {row['host_busy_share']:.0%} of a pass, decode steps"
             " 3x or more its weights' memory floor): this ratio moves with the host") if row.get("host_bound") else ""
+    if row.get("host_bound") and gate.host_bound == "uninformative":
+        outcome, verdict = "uninformative", f"uninformative for {t}x"
+        host += " and decides nothing (policy speed.host_bound: decide lets it)"
     if not ranged:
         return DecisionCheck("speed", name, outcome, f"{name} speedup {s:.2f}x {verdict}{host}", value=s, threshold=t,
                              detail={"host_bound": bool(row.get("host_bound"))})
-    passes = f"every pairing of its {row['passes']} passes with the base's {row['base_passes']}"
+    paired = bool(row.get("paired"))
+    passes = (f"its {row['passes']} passes, each beside a base pass" if paired
+              else f"every pairing of its {row['passes']} passes with the base's {row['base_passes']}")
     return DecisionCheck("speed", name, outcome,
                          f"{name} speedup {s:.2f}x ({passes}: {lo:.2f}-{hi:.2f}x) {verdict}{host}",
                          value=s, lower=lo, upper=hi, threshold=t,
-                         detail={"passes": row["passes"], "base_passes": row["base_passes"],
+                         detail={"passes": row["passes"], "base_passes": row["base_passes"], "paired": paired,
                                  "host_bound": bool(row.get("host_bound"))})
 
 
@@ -218,11 +223,17 @@ def _serving_check(policy: Policy, serving: Sequence[dict[str, Any]]) -> Decisio
     config = "vLLM's defaults" if r["point"] == "default" else f"tuned config {r['point']}"
     evidence = f"{goodput:.3g} req/s at {r['load']}, {config}; base {base:.3g} req/s ({r['base_point']})"
     detail = {"point": r["point"], "settings": r["settings"], "load": r["load"], "goodput": goodput,
-              "base_goodput": base, "base_point": r["base_point"]}
+              "base_goodput": base, "base_point": r["base_point"], "host_bound": bool(r.get("host_bound"))}
     if base == 0:
         # The base meets the SLO on no load: any goodput beats it, none is no evidence either way.
         outcome: CheckOutcome = "pass" if goodput > 0 else "not_measured"
         note = f"{name} goodput at the SLO {evidence}: the base meets it on no load"
+    elif r.get("host_bound") and gate.host_bound == "uninformative":
+        outcome = "uninformative"
+        note = (f"{name} goodput at the SLO {r['goodput_ratio']:.2f}x base ({evidence}) uninformative for"
+                f" {gate.min_goodput_ratio}x: host-bound (the served checkpoints' vLLM engines in this run's offline"
+                " or latency passes): this ratio moves with the host and decides nothing (policy serving.host_bound:"
+                " decide lets it)")
     else:
         outcome = "pass" if r["goodput_ratio"] >= gate.min_goodput_ratio else "fail"
         note = (f"{name} goodput at the SLO {r['goodput_ratio']:.2f}x base"

@@ -19,8 +19,11 @@ FROM stg_speed_reuse u JOIN speed_results s ON s.run_id = u.speed_run_id AND s.v
 -- hypervisor took meanwhile (tasks/telemetry.PassClocks), as lists (NULL for a row without passes, e.g. serving;
 -- NULL entries for a pass of before those readings). pass_busiest_share: the share of a pass's wall time its
 -- busiest process was on a CPU (this process, or the engine's other processes together: vLLM's engine core).
+-- paired_base_tps: on a variant's row, the base's passes that alternated with its own in one engine process, in the
+-- same order (tasks/steps/benchmark._measure_one; NULL where its passes ran alone).
 CREATE OR REPLACE VIEW stg_speed_pass_lists AS
 SELECT *, json_extract(repetitions, '$[*].tokens_per_s')::DOUBLE[] AS pass_tps,
+       nullif(json_extract(details, '$.paired_base[*].tokens_per_s')::DOUBLE[], []) AS paired_base_tps,
        json_extract(repetitions, '$[*].other_cpu_s')::DOUBLE[] AS pass_other_cpu_s,
        json_extract(repetitions, '$[*].steal_s')::DOUBLE[] AS pass_steal_s,
        list_transform(list_zip(json_extract(repetitions, '$[*].cpu_s')::DOUBLE[],
