@@ -113,7 +113,7 @@ sql() { "${QG[@]}" sql "$1" -f markdown; }
     sql "select checkpoint, engine, scenario, status, round(waited_s, 1) as waited_s, round(seconds, 1) as seconds, strftime(measured_from, '%H:%M:%S') as began, overlapping_work, overlapping_measurements from measurement_windows order by measured_from"
     echo
     echo "## The speed key: the device that measured"
-    sql "select distinct engine, details->>'device' as device, details->>'cuda_visible_devices' as cuda_visible_devices from speed_results where status = 'ok' order by engine"
+    sql "select distinct engine, device, details->>'cuda_visible_devices' as cuda_visible_devices from speed_results where status = 'ok' order by engine"
     echo
     echo "## Verdicts"
     sql "select variant, decision, reason from variant_scorecard"
