@@ -1,7 +1,7 @@
 """docs/results.md: the "Verdicts on the H200" section, generated from a committed reference run's tables.
 
-    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference9          # print the section
-    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference9 --write  # replace it in docs/results.md
+    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference10          # print the section
+    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference10 --write  # replace it in docs/results.md
 
 The folder holds the tables a run measured (Parquet, as `quantgate export --tables-only` writes them); they are
 loaded through today's migrations and views (benchmarks/summarize.py), and the section lists, per variant, its
@@ -124,7 +124,11 @@ def section(folder: Path, catalog: Path = DEFAULT_CATALOG) -> str:
         con, "SELECT DISTINCT split_part(scenario, '@', 1) AS scenario FROM speed_results WHERE run_id = ?",
         [run["run_id"]])})
     checks = store.rows(con, "SELECT v.name AS variant, c.* FROM decision_checks c JOIN variants v USING (variant_uid)"
-                             " WHERE c.run_id = ? AND c.kind = 'quality' ORDER BY v.name, c.position", [run["run_id"]])
+                             " WHERE c.run_id = ? AND c.kind IN ('quality', 'speed', 'serving')"
+                             " ORDER BY v.name, c.position", [run["run_id"]])
+    reasons = store.rows(con, "SELECT v.name AS variant, d.decision, d.reason FROM decisions d"
+                              " JOIN variants v USING (variant_uid) WHERE d.run_id = ? ORDER BY v.name",
+                              [run["run_id"]])
     device = store.rows(con, "SELECT any_value(device) AS device FROM speed_results WHERE run_id = ?"
                              " AND status = 'ok' AND device IS NOT NULL", [run["run_id"]])[0]["device"]
     lines = [BEGIN,
@@ -142,12 +146,16 @@ def section(folder: Path, catalog: Path = DEFAULT_CATALOG) -> str:
             f"{r['deciding_check']} {_num(r['deciding_value'])} vs {_num(r['deciding_threshold'], 2)}")
         lines.append(f"| {r['variant']} | **{r['decision']}** | {_num(r['size_ratio'], 2)}× | {_num(r['speedup'], 2)}× |"
                      f" {_num(r['usd_per_million_tokens'])} | {_num(r['flip_rate'])} | {_num(r['kl'], 4)} | {deciding} |")
-    lines += ["", "| variant | gated check | recovery | 95% interval | smallest drop it can see | items | outcome |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Each gated check: quality as recovery with its 95% interval, speed as the speedup with its passes' range,"
+                  " serving as the goodput ratio.", "",
+              "| variant | gated check | recovery or ratio | interval or range | smallest drop it can see | items |"
+              " outcome |", "|---|---|---|---|---|---|---|"]
     for c in checks:
         interval = "—" if c["lower"] is None else f"[{_num(c['lower'])}, {_num(c['upper'])}]"
         lines.append(f"| {c['variant']} | {c['name']} | {_num(c['value'])} | {interval} |"
                      f" {_num(c['min_detectable_drop'])} | {c['items'] or '—'} | {c['outcome']} |")
+    lines += ["", "The reasons, as the run stored them (`decisions.reason`):", ""]
+    lines += [f"- **{r['variant']}**: {r['reason']}" for r in reasons]
     lines += _base_beside_published(con, run["run_id"], run["model_id"], catalog)
     lines += _builds_beside_published(con, run["run_id"], run["model_id"], catalog)
     lines.append(END)
