@@ -20,18 +20,16 @@ from prefect import get_run_logger, tags
 
 from quantgate.catalog.load import Catalog
 from quantgate.catalog.models import ModelSpec
-from quantgate.catalog.records import ServingLoad, SpeedResult, VariantArtifact
+from quantgate.catalog.records import SpeedResult, VariantArtifact
 from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.catalog.settings import settings
-from quantgate.tasks.adapters.speed.bench import bench_scenario, bench_task
-from quantgate.tasks.adapters.speed.sweep import serve_variant, serving_task
 from quantgate.tasks.runtime import launch
-from quantgate.tasks.steps.benchmark import benchmark_task, engine_sessions, run_scenarios
+from quantgate.tasks.steps.benchmark import engine_sessions
+from quantgate.tasks.steps.measure import Measured, backend_name, measure_task
+from quantgate.tasks.steps.measure import measure as measure_speed
 from quantgate.warehouse import store
 
 SERVING_LOGS = "serving-logs"
-# A speed row and, for a serving scenario, its loads with their per-request rows.
-Measured = tuple[SpeedResult, list[ServingLoad]]
 
 
 def submit(deployment: str, parameters: dict[str, Any], *, name: str, tags: Sequence[str] = (),
@@ -109,30 +107,21 @@ def speed_jobs(variant: VariantArtifact, scenarios: Sequence[tuple[str, Scenario
 
 def measure(model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], log_dir: Path,
             label: str, in_flow: bool = True, pair_with: str | None = None) -> JobResult:
-    """One engine start's scenarios on one checkpoint here: an engine session (offline, latency scenarios
-    that share engine options), or `vllm serve` driven through a serving scenario's loads (one run per
-    point of its sweep, logs under log_dir). `in_flow` runs them as Prefect tasks of the flow run; a process
-    of a lane calls the plain functions. `pair_with`: an engine session's base to alternate passes with."""
+    """One engine start's scenarios on one checkpoint here, through their backend (tasks/steps/measure.py): an engine
+    session (offline, latency scenarios that share engine options, alternating with the base at `pair_with`), a
+    `vllm bench`, or `vllm serve` driven through a serving scenario's loads (one run per point of its sweep, logs
+    under log_dir). `in_flow` runs it as a Prefect task of the flow run; a process of a lane calls the function."""
     # Which GPUs the process that measured saw: a lane's one GPU, or all of this process's.
     seen = {"cuda_visible_devices": settings().cuda_visible_devices}
-
-    def rows(results: Sequence[SpeedResult]) -> list[Measured]:
-        return [(dataclasses.replace(r, details={**r.details, **seen}), []) for r in results]
-
-    if engine == "vllm-bench":
-        bench = bench_task.with_options(task_run_name=f"vllm bench on {label}") if in_flow else bench_scenario
-        results = [bench(model_path, name, scenario, work_dir=log_dir) for name, scenario in scenarios]
-        return JobResult(rows(results), sum(_starts([r]) for r in results))
-    if scenarios[0][1].kind == "serving":
-        name, scenario = scenarios[0]
-        serve = serving_task.with_options(task_run_name=f"serve {name} on {label}") if in_flow else serve_variant
-        measured = [(dataclasses.replace(r, details={**r.details, **seen}), loads)
-                    for r, loads in serve(model_path, name, scenario, work_dir=log_dir)]
-        return JobResult(measured, sum(_starts([result]) for result, _ in measured))
-    bench = (benchmark_task.with_options(task_run_name=f"benchmark {engine} {'+'.join(n for n, _ in scenarios)}"
-                                         f" on {label}") if in_flow else run_scenarios)
-    results = bench(model_path, engine, list(scenarios), log_dir=log_dir, pair_with=pair_with)
-    return JobResult(rows(results), _starts(results))
+    run = (measure_task.with_options(task_run_name=f"{engine} {'+'.join(n for n, _ in scenarios)} on {label}")
+           if in_flow else measure_speed)
+    measured = [(dataclasses.replace(r, details={**r.details, **seen}), loads)
+                for r, loads in run(model_path, engine, scenarios, work_dir=log_dir, pair_with=pair_with)]
+    results = [r for r, _ in measured]
+    # An engine session's rows share its starts; a bench or a server is a start of its own per row.
+    starts = (_starts(results) if backend_name(engine, scenarios) == "session"
+              else sum(_starts([r]) for r in results))
+    return JobResult(measured, starts)
 
 
 def _starts(results: Sequence[SpeedResult]) -> int:

@@ -40,12 +40,11 @@ from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.catalog.settings import host_name
 from quantgate.flows.live import work_dir
 from quantgate.tasks.adapters import engines
-from quantgate.tasks.adapters.speed.bench import bench_scenario
 from quantgate.tasks.adapters.speed.options import resolve_device
-from quantgate.tasks.adapters.speed.sweep import serve_variant
 from quantgate.tasks.runtime import launch, placement
 from quantgate.tasks.runtime.launch import in_lanes
-from quantgate.tasks.steps.benchmark import engine_sessions, run_scenarios
+from quantgate.tasks.steps.benchmark import engine_sessions
+from quantgate.tasks.steps.measure import measure
 from quantgate.tasks.adapters.dummy_weights import SHAPES, layout, write_dummy_checkpoint
 from quantgate.warehouse import store
 
@@ -271,26 +270,15 @@ def _execute(label: str, step: SuiteStep, build: Build, scenarios: list[tuple[st
 
 def run_step(step: SuiteStep, build: Build, scenarios: list[tuple[str, ScenarioSpec]], config: dict[str, Any],
              work: Path, timeout_s: float, wh: str, run_id: str) -> StepOutcome:
-    """Its build's weights if still missing, then the engine, bench or server; results stored."""
+    """Its build's weights if still missing, then the engine, bench or server (tasks/steps/measure.py); each row
+    stored as soon as it is in (a sweep's points one by one)."""
     deadline = time.monotonic() + timeout_s
     ensure_weights(build, config)
     remaining = max(1.0, deadline - time.monotonic())
-    uid = build.variant.uid
     work.mkdir(parents=True, exist_ok=True)
-    if step.engine in ("transformers", "vllm"):
-        results = run_scenarios(str(build.path), step.engine, scenarios, timeout_s=remaining, log_dir=work)
-    elif step.engine == "vllm-bench":
-        ((name, scenario),) = scenarios
-        results = [bench_scenario(str(build.path), name, scenario, work_dir=work, timeout_s=remaining)]
-    else:
-        ((name, scenario),) = scenarios
-        # With a sweep (the tuned serving config): one serving run per point, each stored as soon as it is done.
-        runs = serve_variant(str(build.path), name, scenario, work_dir=work, timeout_s=remaining,
-                             on_point=partial(_store_measured, wh, run_id, uid))
-        return _summarise([result for result, _ in runs])
-    with store.session(wh) as con:
-        store.record_speed(con, run_id, uid, results)
-    return _summarise(results)
+    measured = measure(str(build.path), step.engine, scenarios, work_dir=work, timeout_s=remaining,
+                       on_point=partial(_store_measured, wh, run_id, build.variant.uid))
+    return _summarise([result for result, _ in measured])
 
 
 def _store_measured(wh: str, run_id: str, uid: str, result: SpeedResult, loads: list[ServingLoad]) -> None:

@@ -15,12 +15,10 @@ import importlib.metadata
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
-
-from prefect import task
 
 from quantgate.catalog.errors import one_line
 from quantgate.catalog.records import SpeedResult
@@ -483,4 +481,13 @@ def _versions(engine_name: str, device: str) -> dict[str, str]:
     return versions
 
 
-benchmark_task = task(run_scenarios, name="benchmark", tags=["benchmark"])
+def measure_session(model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *,
+                    work_dir: Path, timeout_s: float | None, pair_with: str | None,
+                    on_point: Callable[[SpeedResult, list[Any]], None] | None) -> list[tuple[SpeedResult, list[Any]]]:
+    """The engine-session backend of tasks/steps/measure.py: `run_scenarios` with its logs under `work_dir`."""
+    results = run_scenarios(model_path, engine, scenarios, timeout_s=timeout_s or 3600.0, log_dir=work_dir,
+                            pair_with=pair_with)
+    for r in results:
+        if on_point:
+            on_point(r, [])
+    return [(r, []) for r in results]

@@ -11,13 +11,10 @@ import select
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from quantgate.catalog.records import SpeedResult
 from quantgate.catalog.scenarios import ScenarioSpec, bench_mismatch
@@ -248,4 +245,16 @@ def bench_scenario(
     )
 
 
-bench_task = task(bench_scenario, name="vllm-bench", tags=["benchmark"], cache_policy=NO_CACHE)
+def measure_bench(model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *, work_dir: Path,
+                  timeout_s: float | None, pair_with: str | None,
+                  on_point: Callable[[SpeedResult, list[Any]], None] | None) -> list[tuple[SpeedResult, list[Any]]]:
+    """The `vllm-bench` backend of tasks/steps/measure.py: one bench per scenario (its own engine start); the bench
+    has no session to pair a base with."""
+    out = []
+    for name, scenario in scenarios:
+        result = bench_scenario(model_path, name, scenario, work_dir=work_dir,
+                                **({"timeout_s": timeout_s} if timeout_s else {}))
+        if on_point:
+            on_point(result, [])
+        out.append((result, []))
+    return out

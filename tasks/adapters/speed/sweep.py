@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from quantgate.catalog.records import ServingLoad, SpeedResult
-from quantgate.catalog.scenarios import ServingScenario, sweep_label
+from quantgate.catalog.scenarios import ScenarioSpec, ServingScenario, sweep_label
 from quantgate.tasks.adapters.speed.checkpoint import has_weight_only_int_layers
 from quantgate.tasks.adapters.speed.errors import ServingError
 from quantgate.tasks.adapters.speed.serving import serve_scenario
@@ -161,5 +158,13 @@ def serve_variant(
     return [run]
 
 
-serving_task = task(serve_variant, name="serve", tags=["benchmark"], cache_policy=NO_CACHE)
+def measure_serving(model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *, work_dir: Path,
+                    timeout_s: float | None, pair_with: str | None,
+                    on_point: Callable[[SpeedResult, list[ServingLoad]], None] | None,
+                    ) -> list[tuple[SpeedResult, list[ServingLoad]]]:
+    """The `vllm-serve` backend of tasks/steps/measure.py: `serve_variant` on the one serving scenario; each server
+    is its own window, so there is no base to pair with."""
+    ((name, scenario),) = scenarios
+    return serve_variant(model_path, name, scenario, work_dir=work_dir,  # type: ignore[arg-type]
+                         on_point=on_point, **({"timeout_s": timeout_s} if timeout_s else {}))
 

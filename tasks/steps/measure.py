@@ -1,0 +1,71 @@
+"""One entry for every speed measurement, backend × scenario: the backend is chosen by the engine a scenario runs on
+and the scenario's kind, from a registry of "module:function" paths imported on use (so vLLM's command line is
+imported only where it runs). evaluate-model's speed jobs (flows/dispatch.py) and the GPU suite's steps
+(flows/gpu_suite.py) both measure through `measure`; a new engine is a module with a function of the `Backend`
+signature and a line in BACKENDS. Process isolation, retries after running out of memory and GPU placement stay
+with the launcher (tasks/runtime/launch.py) that each backend starts its processes through.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from quantgate.catalog.records import ServingLoad, SpeedResult
+from quantgate.catalog.scenarios import ScenarioSpec
+from quantgate.tasks.adapters.speed.errors import BenchmarkError
+
+# A speed row and, for a serving run, the loads it was measured at.
+Measured = tuple[SpeedResult, list[ServingLoad]]
+OnPoint = Callable[[SpeedResult, list[ServingLoad]], None]
+
+
+class Backend(Protocol):
+    def __call__(self, model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *,
+                 work_dir: Path, timeout_s: float | None, pair_with: str | None,
+                 on_point: OnPoint | None) -> list[Measured]:
+        """The scenarios on the checkpoint at `model_path`, each row handed to `on_point` as soon as it is in;
+        `timeout_s` None: the backend's own limit; `pair_with`: a base whose passes a variant's alternate with, where
+        the backend can (an engine session). Never raises for engine trouble: a row says skipped or failed."""
+        ...
+
+
+# An engine session: Transformers or vLLM loaded once in a process of its own for offline and latency scenarios
+# (tasks/steps/benchmark.py); `vllm bench throughput`, the harness cross-check; `vllm serve` driven by a serving
+# scenario's loads, once per point of its sweep.
+BACKENDS: dict[str, str] = {
+    "session": "quantgate.tasks.steps.benchmark:measure_session",
+    "vllm-bench": "quantgate.tasks.adapters.speed.bench:measure_bench",
+    "vllm-serve": "quantgate.tasks.adapters.speed.sweep:measure_serving",
+}
+
+
+def backend_name(engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]]) -> str:
+    """The backend of one job: the bench for `vllm-bench`, the server for a serving scenario (one per job), else an
+    engine session."""
+    kinds = {s.kind for _, s in scenarios}
+    if engine == "vllm-bench":
+        return "vllm-bench"
+    if engine == "vllm-serve" or "serving" in kinds:
+        if kinds != {"serving"} or len(scenarios) != 1:
+            raise BenchmarkError(f"{'+'.join(n for n, _ in scenarios)}: a serving scenario is measured alone")
+        return "vllm-serve"
+    return "session"
+
+
+def measure(model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *, work_dir: str | Path,
+            timeout_s: float | None = None, pair_with: str | None = None,
+            on_point: OnPoint | None = None) -> list[Measured]:
+    """`scenarios` on the checkpoint at `model_path` with `engine`, through its backend (`Backend` says how)."""
+    module, _, name = BACKENDS[backend_name(engine, scenarios)].partition(":")
+    backend: Backend = getattr(importlib.import_module(module), name)
+    return backend(model_path, engine, scenarios, work_dir=Path(work_dir), timeout_s=timeout_s, pair_with=pair_with,
+                   on_point=on_point)
+
+
+measure_task = task(measure, name="measure", tags=["benchmark"], cache_policy=NO_CACHE)

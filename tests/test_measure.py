@@ -1,0 +1,56 @@
+"""One entry for every speed measurement (tasks/steps/measure.py): the backend chosen by engine and scenario kind,
+every registered backend importable, rows handed on as they come in. On this CPU machine the session backend
+measures for real (Transformers on stories260k, in a process of its own); the bench and server backends run up to
+the point where they find no GPU and say so in their rows. Their GPU paths run in tests/gpu/."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from quantgate.catalog.scenarios import OfflineScenario, ServingScenario
+from quantgate.tasks.adapters.speed.errors import BenchmarkError
+from quantgate.tasks.steps.measure import BACKENDS, Backend, backend_name, measure
+from tests.shared_data import TINY_MODEL
+
+SESSION = OfflineScenario(num_prompts=2, input_len=8, output_len=4, batch_size=2, repetitions=1, device="cpu")
+SAMPLED = OfflineScenario(engines=["vllm", "vllm-bench"], num_prompts=4, input_len=8, output_len=4, temperature=1.0)
+SERVING = ServingScenario(engines=["vllm"], num_prompts=4, input_len=8, output_len=4, concurrency=[1])
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the backends say on a machine without a GPU")
+
+
+def test_each_engine_and_kind_has_its_backend():
+    assert backend_name("transformers", [("a", SESSION)]) == "session"
+    assert backend_name("vllm", [("a", SESSION), ("b", SESSION)]) == "session"
+    assert backend_name("vllm-bench", [("x", SAMPLED)]) == "vllm-bench"
+    assert backend_name("vllm", [("s", SERVING)]) == backend_name("vllm-serve", [("s", SERVING)]) == "vllm-serve"
+    with pytest.raises(BenchmarkError, match="a serving scenario is measured alone"):
+        backend_name("vllm", [("a", SESSION), ("s", SERVING)])
+
+
+def test_every_registered_backend_imports_with_the_backends_signature():
+    wanted = list(inspect.signature(Backend.__call__).parameters)[1:]
+    for name, path in BACKENDS.items():
+        module, _, function = path.partition(":")
+        backend = getattr(importlib.import_module(module), function)
+        assert list(inspect.signature(backend).parameters) == wanted, name
+
+
+def test_a_session_measures_here_and_hands_each_row_on(tmp_path):
+    seen = []
+    measured = measure(str(TINY_MODEL), "transformers", [("one", SESSION), ("two", SESSION)], work_dir=tmp_path,
+                       on_point=lambda result, loads: seen.append((result.scenario, loads)))
+    assert [(r.scenario, r.status, loads) for r, loads in measured] == [("one", "ok", []), ("two", "ok", [])]
+    assert seen == [("one", []), ("two", [])]
+    assert measured[0][0].details["engine_starts"] == 1  # one engine start for the session's two scenarios
+
+
+@no_gpu
+def test_the_bench_and_the_server_say_why_they_cannot_run_here(tmp_path):
+    ((bench, _),) = measure(str(TINY_MODEL), "vllm-bench", [("x", SAMPLED)], work_dir=tmp_path)
+    ((served, loads),) = measure(str(TINY_MODEL), "vllm", [("s", SERVING)], work_dir=tmp_path)
+    assert (bench.engine, bench.status) == ("vllm-bench", "skipped") and "vllm" in bench.reason
+    assert (served.engine, served.status, loads) == ("vllm", "skipped", []) and "vllm" in served.reason
