@@ -9,16 +9,15 @@ whatever process the run started that is still alive, by process group.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from types import FrameType
 
 import psutil
 
 from quantgate.flows import progress
+from quantgate.tasks.runtime import processes
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 10.0
@@ -70,44 +69,7 @@ def guard() -> Iterator[None]:
     finally:
         try:
             if fired:
-                stop_started(me, before)
+                processes.stop_started(me, before, GRACE_S)
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-
-
-def stop_started(parent: psutil.Process, before: set[int]) -> None:
-    """SIGTERM each process group that holds a descendant started after `before` was taken (our own
-    group: those processes only), then SIGKILL what is left after GRACE_S."""
-    try:
-        started = [p for p in parent.children(recursive=True) if p.pid not in before]
-    except psutil.NoSuchProcess:
-        return
-    own = os.getpgrp()
-    groups, loose = set(), []
-    for p in started:
-        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-            pgid = os.getpgid(p.pid)
-            (loose.append(p) if pgid == own else groups.add(pgid))
-    _signal_all(groups, loose, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and any(_running(p) for p in started):
-        time.sleep(0.1)
-    _signal_all(groups, [p for p in loose if _running(p)], signal.SIGKILL)
-    psutil.wait_procs(loose, timeout=5)
-
-
-def _signal_all(groups: set[int], loose: list[psutil.Process], sig: int) -> None:
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-    for p in loose:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(sig)
-
-
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

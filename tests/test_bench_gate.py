@@ -30,7 +30,7 @@ from quantgate.tasks.adapters.speed import bench as bench_module
 from quantgate.tasks.adapters.speed.bench import bench_scenario, start_bench, vllm_bench_throughput
 from quantgate.tasks.adapters.speed.bench_gate import GATE_ENV
 from quantgate.tasks.adapters.speed.errors import ServingError
-from quantgate.tasks.adapters.speed.processes import group_alive
+from quantgate.tasks.runtime.processes import group_alive
 from quantgate.tasks.runtime import launch
 
 PASS_S = 0.1

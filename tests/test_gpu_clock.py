@@ -179,7 +179,7 @@ def test_a_server_started_beside_other_work_runs_at_the_niceness_asked(tmp_path)
     import os
     import sys
 
-    from quantgate.tasks.adapters.speed.processes import spawn_session
+    from quantgate.tasks.runtime.processes import spawn_session
 
     log = tmp_path / "nice.log"
     proc = spawn_session([sys.executable, "-c", "import os; print(os.nice(0), os.getpgrp() == os.getpid())"], log,

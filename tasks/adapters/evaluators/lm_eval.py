@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from quantgate.catalog.paths import LOCAL_TASKS_DIR
 from quantgate.catalog.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
 from quantgate.catalog.settings import settings
 from quantgate.catalog.suites import LocalTask, SuiteSpec
-from quantgate.tasks.runtime import gpu_memory
+from quantgate.tasks.runtime import gpu_memory, processes
 from quantgate.tasks.runtime.telemetry import vllm_start_check_bytes
 
 log = logging.getLogger(__name__)
@@ -134,8 +133,9 @@ def evaluate(
     with tempfile.TemporaryDirectory(prefix="quantgate-lm-eval-") as tmp:
         request_file, result_file = Path(tmp, "request.json"), Path(tmp, "result.json")
         request_file.write_text(json.dumps({**request, "loaded_file": str(Path(tmp, "loaded"))}))
-        returncode = _run_process([sys.executable, "-m", __name__, str(request_file), str(result_file)], env,
-                                  Path(tmp, "loaded"))
+        # Once its model has loaded, the memory held for its start is free for others (gpu_memory.engine_loaded).
+        returncode = processes.run_to_end([sys.executable, "-m", __name__, str(request_file), str(result_file)], env,
+                                          Path(tmp, "loaded"), gpu_memory.engine_loaded, LOADED_POLL_S)
         if not result_file.is_file():
             raise EvaluationError(f"the lm-eval process exited with code {returncode} before writing results")
         out = json.loads(result_file.read_text())
@@ -152,26 +152,6 @@ def evaluate(
         samples=[SampleResult(**s) for s in out["samples"]],
         seconds=seconds,
     )
-
-
-def _run_process(cmd: list[str], env: dict[str, str], loaded: Path) -> int:
-    """Run the evaluation process to its end; once it says its model has loaded (the `loaded` file), tell the
-    launcher (gpu_memory.engine_loaded: memory held for its start is free for others). An interrupt ends it too."""
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        while not loaded.exists():
-            try:
-                proc.wait(timeout=LOADED_POLL_S)
-                return proc.returncode  # ended before its model loaded
-            except subprocess.TimeoutExpired:
-                pass
-        gpu_memory.engine_loaded()
-        proc.wait()  # its end, as it comes, not at the next poll
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc.returncode
 
 
 def _check_chat_template(model_path: str, tasks: list[str], trust_remote_code: bool) -> None:

@@ -23,10 +23,11 @@ from quantgate.tasks.adapters.speed.bench_gate import GATE_ENV, GO, READY, gate_
 from quantgate.tasks.adapters.speed.errors import ServingError
 from quantgate.tasks.adapters.speed.options import start_memory_bytes
 from quantgate.tasks.adapters.speed.preflight import preflight
-from quantgate.tasks.adapters.speed.processes import end_group, group_alive, log_tail, spawn_session
+from quantgate.tasks.runtime.processes import end_group, group_alive, log_tail, spawn_session
 from quantgate.tasks.adapters.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.adapters.speed.vllm_cli import (
-    BENCH_CLI, bench_engine_args, bench_throughput_command, output_tokens_per_s_from_log, read_log, vllm_versions,
+    BENCH_CLI, QUIET_ENV, bench_engine_args, bench_throughput_command, output_tokens_per_s_from_log, read_log,
+    vllm_versions,
 )
 from quantgate.tasks.runtime import launch
 from quantgate.tasks.runtime.telemetry import nvml_device_name
@@ -140,7 +141,8 @@ def start_bench(
     go_r, go_w = os.pipe()
     try:
         gate = gate_env(ready_w, go_r, 2 if num_warmups else 1, passes, str(times_file))
-        proc = spawn_session(cmd, log, {**(env or {}), GATE_ENV: gate}, niceness=niceness, pass_fds=(ready_w, go_r))
+        proc = spawn_session(cmd, log, {**(env or {}), GATE_ENV: gate}, niceness=niceness, pass_fds=(ready_w, go_r),
+                             defaults=QUIET_ENV)
     except BaseException:
         for fd in (ready_r, ready_w, go_r, go_w):
             os.close(fd)

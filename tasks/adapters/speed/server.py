@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantgate.tasks.adapters.speed.errors import ServingError
-from quantgate.tasks.adapters.speed.processes import end_group, log_tail, spawn_session
-from quantgate.tasks.adapters.speed.vllm_cli import vllm_serve_command
+from quantgate.tasks.runtime.processes import end_group, log_tail, spawn_session
+from quantgate.tasks.adapters.speed.vllm_cli import QUIET_ENV, vllm_serve_command
 
 
 @dataclass
@@ -112,7 +112,7 @@ def _start_on(port: int, *, model_path: str, extra_args: Sequence[str], env: dic
     log = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-serve-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     written_before = log.stat().st_size if log.exists() else 0
-    proc = spawn_session(cmd, log, env, append=True, niceness=niceness)
+    proc = spawn_session(cmd, log, env, append=True, niceness=niceness, defaults=QUIET_ENV)
     handle = ServerHandle(
         pid=proc.pid,
         base_url=f"http://{host}:{port}",

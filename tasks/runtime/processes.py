@@ -1,0 +1,141 @@
+"""Processes a run starts and stops outside tasks/runtime/launch.py's spawned Python workers: a command in a
+session of its own (`vllm serve`, `vllm bench`), so that ending its process group also ends the children it spawned
+(vLLM's engine core and workers), noted by id; a child run to its end that says when its model has loaded (the
+lm-eval process); and, on an interrupt, every process group a run started (flows/interrupts.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import psutil
+
+from quantgate.catalog.settings import settings
+
+
+def spawn_session(cmd: Sequence[str], log: Path, env: Mapping[str, str] | None, append: bool = False,
+                  niceness: int = 0, pass_fds: Sequence[int] = (),
+                  defaults: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` in its own session (so its whole group can be ended by id), output to `log`, at `niceness`
+    (through nice(1), which execs the command: the session leader is still the command), with the file
+    descriptors `pass_fds` kept open in it. Its environment: `defaults` (which this process's own variables
+    override), this process's, then `env`."""
+    if niceness:
+        cmd = ["nice", "-n", str(niceness), *cmd]
+    with log.open("ab" if append else "wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            env={**(defaults or {}), **os.environ, **(env or {})}, start_new_session=True, pass_fds=tuple(pass_fds),
+        )
+    _note_session(proc.pid)
+    return proc
+
+
+# A file to which every session this module starts appends its id (= the leader's pid), so that a
+# wrapper that must stop a run abruptly can still end those sessions by id (benchmarks/gpu/run_suite.sh).
+
+
+def _note_session(pid: int) -> None:
+    if path := settings().pidfile:
+        with open(path, "a") as f:
+            f.write(f"{pid}\n")
+
+
+def end_group(proc: subprocess.Popen, grace_s: float) -> None:
+    # start_new_session made the child a group leader: its pid is the group id.
+    pgid = proc.pid
+    if proc.poll() is not None and not group_alive(pgid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    # The leader may be gone while children it spawned still run in the group.
+    while time.monotonic() < deadline and group_alive(pgid):
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+
+def run_to_end(cmd: Sequence[str], env: Mapping[str, str], ready: Path, on_ready: Callable[[], None],
+               poll_s: float) -> int:
+    """Run `cmd` to its end; once it has written the file `ready` (its model loaded), call `on_ready`. An exception
+    here (an interrupt) kills it. Returns its exit code."""
+    proc = subprocess.Popen(list(cmd), env=dict(env))
+    try:
+        while not ready.exists():
+            try:
+                proc.wait(timeout=poll_s)
+                return proc.returncode  # ended before it was ready
+            except subprocess.TimeoutExpired:
+                pass
+        on_ready()
+        proc.wait()  # its end, as it comes, not at the next poll
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc.returncode
+
+
+def stop_started(parent: psutil.Process, before: set[int], grace_s: float) -> None:
+    """SIGTERM each process group that holds a descendant of `parent` started after `before` was taken (the
+    parent's own group: those processes only), then SIGKILL what is left after `grace_s`."""
+    try:
+        started = [p for p in parent.children(recursive=True) if p.pid not in before]
+    except psutil.NoSuchProcess:
+        return
+    own = os.getpgrp()
+    groups, loose = set(), []
+    for p in started:
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            pgid = os.getpgid(p.pid)
+            (loose.append(p) if pgid == own else groups.add(pgid))
+    _signal_all(groups, loose, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_running(p) for p in started):
+        time.sleep(0.1)
+    _signal_all(groups, [p for p in loose if _running(p)], signal.SIGKILL)
+    psutil.wait_procs(loose, timeout=5)
+
+
+def _signal_all(groups: set[int], loose: list[psutil.Process], sig: int) -> None:
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+    for p in loose:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
