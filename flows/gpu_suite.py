@@ -19,7 +19,6 @@ import fcntl
 import hashlib
 import json
 import math
-import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -215,9 +214,8 @@ def ensure_weights(build: Build, config: dict[str, Any]) -> None:
             return
         # In a process of its own: random values are drawn fastest on the GPU, and this flow's process must
         # not keep a CUDA context (and the allocator's cache) through every later step.
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            pool.apply(write_dummy_checkpoint, (build.path, config),
-                       {"quant": build.quant, "group_size": build.group_size, "write_weights": True})
+        launch.on_gpus(None, None, partial(write_dummy_checkpoint, quant=build.quant, group_size=build.group_size,
+                                           write_weights=True), build.path, config)
         (build.path / MARKER).write_text(json.dumps(done, sort_keys=True))
 
 

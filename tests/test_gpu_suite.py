@@ -5,6 +5,7 @@ a machine without a GPU (real Prefect, real DuckDB, a tiny shape)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import threading
 from pathlib import Path
@@ -320,3 +321,22 @@ def test_flow_past_its_deadline_starts_nothing(tmp_path, prefect_api):
     with pytest.raises(Exception, match=r"unknown part\(s\) \['nope'\]"):
         gpu_suite(warehouse=str(wh), workdir=str(tmp_path / "work"), shape="tiny", suite=str(_tiny_suite(tmp_path)),
                   parts=["nope"])
+
+
+def test_a_quantized_builds_random_weights_are_written_once_in_a_process_of_their_own(tmp_path):
+    from quantgate.catalog.records import VariantArtifact
+    from quantgate.flows.gpu_suite import MARKER, Build, ensure_weights
+    from quantgate.tasks.adapters.dummy_weights import QWEN25_7B_INSTRUCT
+    from tests.shapes import TINY_QWEN
+
+    config = {**QWEN25_7B_INSTRUCT, **TINY_QWEN}
+    folder = tmp_path / "w4"
+    folder.mkdir()
+    variant = VariantArtifact(uid="w4", model_uid="tiny@0", name="w4", method="rtn", scheme="W4A16", bits=4,
+                              group_size=32, path=str(folder), recipe=None, recipe_hash=None, size_bytes=None)
+    build = Build("w4", folder, "w4a16", 32, variant, {"shape": "tiny"})
+    ensure_weights(build, config)
+    written = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.safetensors")}
+    assert written and json.loads((folder / MARKER).read_text()) == {"shape": "tiny", "weights": True}
+    ensure_weights(build, config)  # marked: not written again
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("*.safetensors")} == written
