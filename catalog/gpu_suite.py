@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from quantgate.catalog.errors import CatalogError
 from quantgate.catalog.scenarios import ScenarioSpec, ServingScenario, bench_mismatch
-from quantgate.catalog.spec import Strict, validation_line
+from quantgate.catalog.spec import Strict, read_mapping, validation_line
 
 
 class ShapeSpec(Strict):
@@ -83,14 +82,7 @@ class GpuSuiteSpec(Strict):
 def load_gpu_suite(path: str | Path) -> GpuSuiteSpec:
     """Load and validate a GPU suite file (catalog/gpu.yaml); prompts_file paths resolve against its folder."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise CatalogError(f"{path}: no such GPU suite file") from None
-    except yaml.YAMLError as e:
-        raise CatalogError(f"{path}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise CatalogError(f"{path}: (top level): expected a mapping with keys version, shapes, builds, scenarios, steps")
+    raw = read_mapping(path, "GPU suite", "version, shapes, builds, scenarios, steps")
     try:
         suite = GpuSuiteSpec.model_validate(raw)
     except ValidationError as e:

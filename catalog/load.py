@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from quantgate.catalog.deployment import EndpointSpec, WatchSpec
@@ -17,7 +16,7 @@ from quantgate.catalog.paths import DEFAULT_CATALOG, default_kl_text
 from quantgate.catalog.policy import Policy
 from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.catalog.sources import GgufSource, LocalSource
-from quantgate.catalog.spec import Strict, content_hash, validation_line
+from quantgate.catalog.spec import Strict, content_hash, read_mapping, validation_line
 from quantgate.catalog.suites import SuiteSpec
 from quantgate.catalog.variants import CalibrationSpec, ChatCalibration, TextCalibration, VariantSpec
 
@@ -146,36 +145,17 @@ class Catalog(Strict):
 def load_catalog(path: str | Path = DEFAULT_CATALOG) -> Catalog:
     """Load and validate a catalog. Relative paths inside it are resolved against the file's folder."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise CatalogError(f"{path}: no such catalog file") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise CatalogError(f"{path}:{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise CatalogError(f"{path}: (top level): expected a mapping with keys version, variants, suites, models, policy")
+    raw = read_mapping(path, "catalog", "version, variants, suites, models, policy")
     if isinstance(raw.get("policy"), str):
-        raw["policy"] = _load_yaml_mapping(path.parent / raw["policy"])
+        raw["policy"] = read_mapping(path.parent / raw["policy"], "policy")
     for m in raw.get("models") or []:
         if isinstance(m, dict) and isinstance(m.get("policy"), str):
-            m["policy"] = _load_yaml_mapping(path.parent / m["policy"])
+            m["policy"] = read_mapping(path.parent / m["policy"], "policy")
     try:
         catalog = Catalog.model_validate(raw)
     except ValidationError as e:
         raise CatalogError(validation_line(path, e)) from None
     return _resolve_paths(catalog, path.parent.resolve())
-
-
-def _load_yaml_mapping(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise CatalogError(f"{path}: no such policy file") from None
-    if not isinstance(data, dict):
-        raise CatalogError(f"{path}: expected a mapping")
-    return data
 
 
 def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:

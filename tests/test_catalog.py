@@ -144,6 +144,15 @@ def test_missing_model_policy_file_is_named(tmp_path):
     data["models"][0]["policy"] = "nope.yaml"
     with pytest.raises(CatalogError, match="nope.yaml: no such policy file"):
         load_catalog(_write(tmp_path, data))
+    # A policy file that is not valid YAML, or not a mapping, is one line naming it too.
+    (tmp_path / "bad.yaml").write_text("quality: [unclosed\n")
+    data["models"][0]["policy"] = "bad.yaml"
+    with pytest.raises(CatalogError, match=r"bad.yaml: line \d+: not valid YAML"):
+        load_catalog(_write(tmp_path, data))
+    (tmp_path / "list.yaml").write_text("- version: 1\n")
+    data["models"][0]["policy"] = "list.yaml"
+    with pytest.raises(CatalogError, match=r"list.yaml: \(top level\): expected a mapping$"):
+        load_catalog(_write(tmp_path, data))
 
 
 def test_invalid_yaml_and_missing_file(tmp_path):
