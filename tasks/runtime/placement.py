@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.settings import host_name, reload, settings
+from quantgate.tasks.runtime.telemetry import nvml_gpu_count
 
 # How long a run waits between looks at its host's free GPUs when fewer than it needs are free.
 POLL_S = 2.0
@@ -51,16 +52,7 @@ def host_gpus() -> list[str]:
     shown = settings().cuda_visible_devices
     if shown is not None:
         return [g.strip() for g in shown.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no driver, no NVML: a CPU host
-        return []
-    try:
-        return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    finally:
-        pynvml.nvmlShutdown()
+    return [str(i) for i in range(nvml_gpu_count() or 0)]  # no driver, no NVML: a CPU host
 
 
 def ensure_limit(name: str, limit: int = 1) -> None:

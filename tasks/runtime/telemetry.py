@@ -347,6 +347,25 @@ def measure_bandwidth_gbps(nbytes: int = 2 << 30, copies: int = 10, trials: int 
         torch.cuda.empty_cache()
 
 
+def nvml_gpu_count() -> int | None:
+    """How many GPUs NVML finds on this host (all of them, whatever CUDA_VISIBLE_DEVICES shows): 0 without the
+    driver, None without the NVML bindings."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError:
+        return 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def nvml_device_name() -> str | None:
     """The visible GPU's name through NVML, for processes that must not create a CUDA context."""
     try:

@@ -7,6 +7,7 @@ import importlib.util
 
 from quantgate.catalog.settings import settings
 from quantgate.tasks.adapters.engines.base import Engine, EngineError, EngineOptions, Generation, RequestTiming
+from quantgate.tasks.runtime.telemetry import nvml_gpu_count
 
 ENGINES: dict[str, str] = {
     "transformers": "quantgate.tasks.adapters.engines.transformers:TransformersEngine",
@@ -24,18 +25,7 @@ def cuda_available() -> bool:
     the NVIDIA driver, which CUDA needs too, or one whose CUDA_VISIBLE_DEVICES hides every GPU."""
     if (settings().cuda_visible_devices or "unset").strip() in ("", "-1"):
         return False
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            if pynvml.nvmlDeviceGetCount() == 0:
-                return False
-        finally:
-            pynvml.nvmlShutdown()
-    except ImportError:
-        pass
-    except pynvml.NVMLError:
+    if nvml_gpu_count() == 0:
         return False
     import torch
 
