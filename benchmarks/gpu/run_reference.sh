@@ -19,11 +19,7 @@ RESULTS="$WORK/results"
 mkdir -p "$OUT" "$RESULTS"
 LOG="$OUT/log.txt"
 . "$REPO/benchmarks/gpu/env.sh"
-if [ ! -d "${QUANTGATE_EVAL_DATA:-}" ]; then
-    # The suite's items travel in .gpu-carry/data; without them every evaluation would fail after the builds.
-    echo "run_reference.sh: no eval data at .gpu-carry/data: carry it in the call that starts this job" | tee "$LOG"
-    exit 2
-fi
+require_eval_data run_reference.sh
 export QUANTGATE_WHEELHOUSE="${QUANTGATE_WHEELHOUSE:-/root/qg-wheelhouse}"
 
 WH="$RESULTS/reference.ducklake"
