@@ -126,9 +126,6 @@ def section(folder: Path, catalog: Path = DEFAULT_CATALOG) -> str:
     checks = store.rows(con, "SELECT v.name AS variant, c.* FROM decision_checks c JOIN variants v USING (variant_uid)"
                              " WHERE c.run_id = ? AND c.kind IN ('quality', 'speed', 'serving')"
                              " ORDER BY v.name, c.position", [run["run_id"]])
-    reasons = store.rows(con, "SELECT v.name AS variant, d.decision, d.reason FROM decisions d"
-                              " JOIN variants v USING (variant_uid) WHERE d.run_id = ? ORDER BY v.name",
-                              [run["run_id"]])
     device = store.rows(con, "SELECT any_value(device) AS device FROM speed_results WHERE run_id = ?"
                              " AND status = 'ok' AND device IS NOT NULL", [run["run_id"]])[0]["device"]
     lines = [BEGIN,
@@ -155,7 +152,7 @@ def section(folder: Path, catalog: Path = DEFAULT_CATALOG) -> str:
         lines.append(f"| {c['variant']} | {c['name']} | {_num(c['value'])} | {interval} |"
                      f" {_num(c['min_detectable_drop'])} | {c['items'] or '—'} | {c['outcome']} |")
     lines += ["", "The reasons, as the run stored them (`decisions.reason`):", ""]
-    lines += [f"- **{r['variant']}**: {r['reason']}" for r in reasons]
+    lines += [f"- **{r['variant']}**: {r['reason']}" for r in card]
     lines += _base_beside_published(con, run["run_id"], run["model_id"], catalog)
     lines += _builds_beside_published(con, run["run_id"], run["model_id"], catalog)
     lines.append(END)

@@ -97,7 +97,7 @@ def speed_jobs(variant: VariantArtifact, scenarios: Sequence[tuple[str, Scenario
     for engine in dict.fromkeys(e for _, s in scenarios for e in runs_on(s)):
         mine = [(name, s) for name, s in scenarios if engine in runs_on(s)]
         # `vllm serve` and `vllm bench` start their own engine for each scenario.
-        alone = [item for item in mine if item[1].kind == "serving" or engine == "vllm-bench"]
+        alone = [item for item in mine if backend_name(engine, [item]) != "session"]
         jobs += [SpeedJob(variant, engine, (item,)) for item in alone]
         shared = [item for item in mine if item not in alone]
         pair = None if base else base_path

@@ -82,7 +82,6 @@ def log_tail(path: Path, lines: int = 5) -> str:
     return " | ".join(text[-lines:]) or "(empty log)"
 
 
-
 def run_to_end(cmd: Sequence[str], env: Mapping[str, str], ready: Path, on_ready: Callable[[], None],
                poll_s: float) -> int:
     """Run `cmd` to its end; once it has written the file `ready` (its model loaded), call `on_ready`. An exception

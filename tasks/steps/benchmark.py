@@ -175,7 +175,7 @@ def run_scenarios(
     # Every row of the group shares these starts: the one load, one more per out-of-memory retry, and the base's
     # where it loaded beside the variant.
     base_loaded = any(status == "ok" and "paired_base" in measured.get("details", {})
-                      for status, measured in tried.value or [])
+                      for status, measured in payload or [])
     details: dict[str, Any] = {"engine_starts": tried.engine_starts + base_loaded}
     if isolate and (waited := launch.memory_wait_s()):
         details["memory_wait_s"] = round(waited, 3)
