@@ -148,6 +148,19 @@ def test_data_root_comes_from_the_environment(tmp_path, monkeypatch):
     assert "QUANTGATE_EVAL_DATA" in report.error and "\n" not in report.error
 
 
+def test_a_vllm_evaluation_asks_for_vllms_repeatable_offline_scheduling():
+    """What this covers on CPU: the evaluation's config records the environment its vLLM child gets (the engine core
+    in the evaluating process), and an hf evaluation gets none. That it repeats is shown on the H200: two reference
+    runs on two machines, item by item (benchmarks/results/h200/README.md)."""
+    from quantgate.tasks.adapters.evaluators import lm_eval
+
+    def config(backend):
+        return lm_eval.run_config(str(MODEL), SUITE, backend=backend, device="cuda", dtype="bfloat16", trust_remote_code=False)
+
+    assert config("vllm")["engine_env"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert "engine_env" not in config("hf")
+
+
 @pytest.mark.gpu
 def test_vllm_backend_scores_like_hf_on_cuda():
     torch = pytest.importorskip("torch")
