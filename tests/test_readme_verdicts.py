@@ -13,7 +13,7 @@ from quantgate.catalog.paths import DEFAULT_CATALOG
 
 REPO = Path(__file__).resolve().parents[1]
 # Relative, as the section names it: the script runs in the repository.
-VERDICTS = [sys.executable, "benchmarks/readme_verdicts.py", "benchmarks/results/h200/reference10"]
+VERDICTS = [sys.executable, "benchmarks/readme_verdicts.py", "benchmarks/results/h200/reference12"]
 
 
 def _catalog(tmp_path: Path, published: list[dict] | None = None, drop_model: bool = False) -> Path:
@@ -54,11 +54,11 @@ def test_the_published_figure_stands_beside_the_base_with_its_source(tmp_path):
     assert _row(text, "qg_mmlu/acc") == ["qg_mmlu/acc", "0.511", "855", "5-shot, chat, multiturn", "0.600", "-0.089",
                                         "5-shot, instruct model", "A technical report (arXiv:0000.00000v1), Table 1"]
     assert _row(text, "qg_gsm8k_cot/exact_match (strict-match)") == [
-        "qg_gsm8k_cot/exact_match (strict-match)", "0.479", "800", "8-shot, chat, multiturn", "—", "—", "—", "—"]
+        "qg_gsm8k_cot/exact_match (strict-match)", "0.484", "800", "8-shot, chat, multiturn", "—", "—", "—", "—"]
     assert "declares no published figure" not in text
     # The speed checks the host paced are shown with their paired range and decide nothing; FP8's GSM8K loss is
     # named as mostly format in its stored reason.
-    assert "| gptq-w4a16-g128 | speed vllm/ref-offline | 0.962 | [0.958, 0.988] | — | — | uninformative |" in text
+    assert "| gptq-w4a16-g128 | speed vllm/ref-offline | 0.780 | [0.731, 0.793] | — | — | uninformative |" in text
     (fp8,) = [ln for ln in text.splitlines() if ln.startswith("- **fp8-dynamic**: inconclusive: ")]
     assert "mostly format: 88% of its answers in the strict-match format vs the base's 90%" in fp8
     assert text.rstrip().endswith("<!-- verdicts:end -->")
