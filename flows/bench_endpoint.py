@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import platform
+import tempfile
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -24,7 +25,8 @@ from quantgate.catalog.load import load_catalog
 from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.catalog.records import SpeedResult, VariantArtifact
 from quantgate.catalog.scenarios import ScenarioSpec
-from quantgate.tasks.adapters.endpoint import ENGINE, Target, bench_endpoint
+from quantgate.tasks.adapters.endpoint import ENGINE, Target
+from quantgate.tasks.steps.measure import measure
 from quantgate.warehouse import store
 
 FLOW_NAME = "bench-endpoint"
@@ -41,10 +43,11 @@ def endpoint_variant(target: Target) -> VariantArtifact:
 @task(name="bench-endpoint-scenario", cache_policy=NO_CACHE, task_run_name="{name}")
 def _bench(target: Target, name: str, scenario: ScenarioSpec, timeout_s: float, wh: str, run_id: str,
            variant_uid: str) -> SpeedResult:
-    result, loads, identity = bench_endpoint(target, name, scenario, timeout_s=timeout_s)
+    with tempfile.TemporaryDirectory(prefix="quantgate-endpoint-") as work:
+        ((result, loads),) = measure(target, ENGINE, [(name, scenario)], work_dir=work, timeout_s=timeout_s)
     with store.session(wh) as con:
         store.record_measured(con, run_id, variant_uid, [(result, loads)])
-        if identity:
+        if identity := result.details.get("endpoint"):
             store.record_endpoint(con, run_id, variant_uid, ENGINE, name, target.base_url, target.model, identity)
     return result
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import socket
 
 import pytest
 import torch
 
 from quantgate.catalog.scenarios import OfflineScenario, ServingScenario
+from quantgate.tasks.adapters.endpoint import Target
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
 from quantgate.tasks.steps.measure import BACKENDS, Backend, backend_name, measure
 from tests.shared_data import TINY_MODEL
@@ -27,16 +29,37 @@ def test_each_engine_and_kind_has_its_backend():
     assert backend_name("vllm", [("a", SESSION), ("b", SESSION)]) == "session"
     assert backend_name("vllm-bench", [("x", SAMPLED)]) == "vllm-bench"
     assert backend_name("vllm", [("s", SERVING)]) == backend_name("vllm-serve", [("s", SERVING)]) == "vllm-serve"
+    assert backend_name("endpoint", [("s", SERVING), ("t", SERVING)]) == "endpoint"
     with pytest.raises(BenchmarkError, match="a serving scenario is measured alone"):
         backend_name("vllm", [("a", SESSION), ("s", SERVING)])
+    with pytest.raises(BenchmarkError, match="an endpoint runs serving scenarios only"):
+        backend_name("endpoint", [("a", SESSION)])
 
 
 def test_every_registered_backend_imports_with_the_backends_signature():
-    wanted = list(inspect.signature(Backend.__call__).parameters)[1:]
+    # The first parameter is what is measured, passed by position: a checkpoint's path, or an endpoint's Target.
+    wanted = list(inspect.signature(Backend.__call__).parameters)[2:]
+    assert set(BACKENDS) == {"session", "vllm-bench", "vllm-serve", "endpoint"}
     for name, path in BACKENDS.items():
         module, _, function = path.partition(":")
         backend = getattr(importlib.import_module(module), function)
-        assert list(inspect.signature(backend).parameters) == wanted, name
+        assert list(inspect.signature(backend).parameters)[1:] == wanted, name
+
+
+def test_an_endpoint_nobody_answers_is_one_failed_row_handed_on(tmp_path):
+    """The endpoint backend through `measure`, against a loopback port nothing listens on (a server that answers:
+    tests/test_endpoint.py, through bench-endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the block ends: refused from then on
+    seen = []
+    ((row, loads),) = measure(Target(url=f"http://127.0.0.1:{port}/v1", model="m"), "endpoint", [("s", SERVING)],
+                              work_dir=tmp_path, timeout_s=30, on_point=lambda r, ls: seen.append(r.scenario))
+    assert (row.engine, row.status, seen) == ("endpoint", "failed", ["s"])
+    assert "\n" not in row.reason and "no request succeeded" in row.reason and "connect" in row.reason.lower()
+    assert loads and not any(r.success for load in loads for r in load.records)
+    assert "endpoint" in row.details  # what it asked the server, and that nothing answered
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_session_measures_here_and_hands_each_row_on(tmp_path):

@@ -10,13 +10,16 @@ names, sent as a Bearer token, and scrubbed from anything returned; it is never 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from quantgate.catalog.deployment import EndpointSpec
@@ -239,3 +242,21 @@ def bench_endpoint(
         details=details,
     ), loads, identity
 
+
+def measure_endpoint(target: Target, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *, work_dir: Path,
+                     timeout_s: float | None, pair_with: str | None,
+                     on_point: Callable[[SpeedResult, list[ServingLoad]], None] | None,
+                     ) -> list[tuple[SpeedResult, list[ServingLoad]]]:
+    """The `endpoint` backend of tasks/steps/measure.py: each serving scenario driven against the server `target`
+    reaches. Nothing is started, so nothing is written under `work_dir` and there is no base to pair with; the
+    server's identity rides in each row's details["endpoint"], failed rows included."""
+    out = []
+    for name, scenario in scenarios:
+        result, loads, identity = bench_endpoint(target, name, scenario,
+                                                 **({"timeout_s": timeout_s} if timeout_s else {}))
+        if identity and "endpoint" not in result.details:
+            result = dataclasses.replace(result, details={**result.details, "endpoint": identity})
+        if on_point:
+            on_point(result, loads)
+        out.append((result, loads))
+    return out

@@ -1,8 +1,8 @@
 """One entry for every speed measurement, backend × scenario: the backend is chosen by the engine a scenario runs on
 and the scenario's kind, from a registry of "module:function" paths imported on use (so vLLM's command line is
-imported only where it runs). evaluate-model's speed jobs (flows/dispatch.py) and the GPU suite's steps
-(flows/gpu_suite.py) both measure through `measure`; a new engine is a module with a function of the `Backend`
-signature and a line in BACKENDS. Process isolation, retries after running out of memory and GPU placement stay
+imported only where it runs). evaluate-model's speed jobs (flows/dispatch.py), the GPU suite's steps
+(flows/gpu_suite.py) and bench-endpoint (flows/bench_endpoint.py) all measure through `measure`; a new engine is a
+module with a function of the `Backend` signature and a line in BACKENDS. Process isolation, retries after running out of memory and GPU placement stay
 with the launcher (tasks/runtime/launch.py) that each backend starts its processes through.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -20,16 +20,20 @@ from quantgate.catalog.records import ServingLoad, SpeedResult
 from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
 
+if TYPE_CHECKING:
+    from quantgate.tasks.adapters.endpoint import Target
+
 # A speed row and, for a serving run, the loads it was measured at.
 Measured = tuple[SpeedResult, list[ServingLoad]]
 OnPoint = Callable[[SpeedResult, list[ServingLoad]], None]
 
 
 class Backend(Protocol):
-    def __call__(self, model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *,
+    def __call__(self, source: str | Target, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *,
                  work_dir: Path, timeout_s: float | None, pair_with: str | None,
                  on_point: OnPoint | None) -> list[Measured]:
-        """The scenarios on the checkpoint at `model_path`, each row handed to `on_point` as soon as it is in;
+        """The scenarios on `source` (a checkpoint folder's path; for the endpoint backend, the server to reach),
+        each row handed to `on_point` as soon as it is in;
         `timeout_s` None: the backend's own limit; `pair_with`: a base whose passes a variant's alternate with, where
         the backend can (an engine session). Never raises for engine trouble: a row says skipped or failed."""
         ...
@@ -37,20 +41,26 @@ class Backend(Protocol):
 
 # An engine session: Transformers or vLLM loaded once in a process of its own for offline and latency scenarios
 # (tasks/steps/benchmark.py); `vllm bench throughput`, the harness cross-check; `vllm serve` driven by a serving
-# scenario's loads, once per point of its sweep.
+# scenario's loads, once per point of its sweep; any OpenAI-compatible server reached by URL, driven by the same
+# serving scenarios.
 BACKENDS: dict[str, str] = {
     "session": "quantgate.tasks.steps.benchmark:measure_session",
     "vllm-bench": "quantgate.tasks.adapters.speed.bench:measure_bench",
     "vllm-serve": "quantgate.tasks.adapters.speed.sweep:measure_serving",
+    "endpoint": "quantgate.tasks.adapters.endpoint:measure_endpoint",
 }
 
 
 def backend_name(engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]]) -> str:
-    """The backend of one job: the bench for `vllm-bench`, the server for a serving scenario (one per job), else an
-    engine session."""
+    """The backend of one job: the bench for `vllm-bench`, the endpoint for `endpoint` (serving scenarios only), the
+    server for a serving scenario (one per job), else an engine session."""
     kinds = {s.kind for _, s in scenarios}
     if engine == "vllm-bench":
         return "vllm-bench"
+    if engine == "endpoint":
+        if kinds != {"serving"}:
+            raise BenchmarkError(f"{'+'.join(n for n, _ in scenarios)}: an endpoint runs serving scenarios only")
+        return "endpoint"
     if engine == "vllm-serve" or "serving" in kinds:
         if kinds != {"serving"} or len(scenarios) != 1:
             raise BenchmarkError(f"{'+'.join(n for n, _ in scenarios)}: a serving scenario is measured alone")
@@ -58,13 +68,14 @@ def backend_name(engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]]) -> 
     return "session"
 
 
-def measure(model_path: str, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *, work_dir: str | Path,
-            timeout_s: float | None = None, pair_with: str | None = None,
+def measure(source: str | Target, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *,
+            work_dir: str | Path, timeout_s: float | None = None, pair_with: str | None = None,
             on_point: OnPoint | None = None) -> list[Measured]:
-    """`scenarios` on the checkpoint at `model_path` with `engine`, through its backend (`Backend` says how)."""
+    """`scenarios` on `source` (a checkpoint folder, or an endpoint's Target) with `engine`, through its backend
+    (`Backend` says how)."""
     module, _, name = BACKENDS[backend_name(engine, scenarios)].partition(":")
     backend: Backend = getattr(importlib.import_module(module), name)
-    return backend(model_path, engine, scenarios, work_dir=Path(work_dir), timeout_s=timeout_s, pair_with=pair_with,
+    return backend(source, engine, scenarios, work_dir=Path(work_dir), timeout_s=timeout_s, pair_with=pair_with,
                    on_point=on_point)
 
 
