@@ -110,6 +110,14 @@ def test_a_base_that_does_not_load_leaves_the_variant_measured_alone_saying_why(
     assert r.details["unpaired"].startswith("the base did not load beside it: ") and "\n" not in r.details["unpaired"]
 
 
+def test_a_base_folder_that_is_not_there_leaves_the_variant_measured_alone_saying_why(tmp_path):
+    (r,) = run_scenarios(str(TINY), "transformers", [("tiny", SMALL)], pair_with=str(tmp_path / "gone"))
+
+    assert r.status == "ok", r.reason
+    assert "paired_base" not in r.details and r.details["engine_starts"] == 1
+    assert r.details["unpaired"] == f"no base folder at {tmp_path / 'gone'} to pair with"
+
+
 @no_gpu
 def test_vllm_is_skipped_with_a_reason_on_a_cpu_machine():
     r = run_scenario(str(TINY), "vllm", "tiny", SMALL.model_copy(update={"device": "auto"}))

@@ -102,8 +102,8 @@ def run_scenarios(
 
     With `pair_with` (the base checkpoint of a variant), the same engine loads it too, first, and the passes of
     each `paired` scenario alternate between the two (`_measure_one`); the variant's rows carry the base's passes
-    as details["paired_base"]. A base that does not load leaves the variant's passes alone, saying why
-    (details["unpaired"]); so does a retry after running out of memory.
+    as details["paired_base"]. A base that does not load, a base folder that is not there, or an isolated retry
+    after running out of memory (it starts alone) leaves the variant's passes alone, saying why (details["unpaired"]).
     """
     if not scenarios:
         return []
@@ -187,6 +187,7 @@ def run_scenarios(
     if payload is None:
         return results("failed", tried.error, used, details)
 
+    alone = _measured_alone(pair_with, pair, attempts, isolate)
     out = []
     for (name, scenario), (one_status, measured) in zip(scenarios, payload, strict=True):
         config = _config(scenario, used)
@@ -194,6 +195,8 @@ def run_scenarios(
             out.append(SpeedResult(engine_name, name, "failed", measured, config, details=dict(details)))
             continue
         measured = {**measured, "details": {**details, **measured.get("details", {})}}
+        if alone and getattr(scenario, "paired", False) and not {"paired_base", "unpaired"} & measured["details"].keys():
+            measured["details"]["unpaired"] = alone
         out.append(SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured)))
     faults.point("benchmark")
     return out
@@ -210,6 +213,17 @@ def _pairing(pair_with: str | None, engine_name: str, device: str, scenarios: Se
     if engine_name == "vllm":
         opts = sized_kv_cache(opts, pair_with, [s for _, s in scenarios])
     return pair_with, opts
+
+
+def _measured_alone(pair_with: str | None, pair: tuple[str, EngineOptions] | None, attempts: list, isolate: bool,
+                    ) -> str | None:
+    """Why a paired scenario's passes ran without the base, where its engine process could not know: there was no
+    base folder, or the variant's process was a retry after running out of memory, which starts alone."""
+    if not pair_with:
+        return None
+    if pair is None:
+        return f"no base folder at {pair_with} to pair with"
+    return "a retry after running out of GPU memory loads the variant alone" if attempts and isolate else None
 
 
 def _load_time_problem(model_path: str, engine_name: str, device: str) -> str | None:
