@@ -10,7 +10,6 @@ names, sent as a Bearer token, and scrubbed from anything returned; it is never 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
@@ -178,10 +177,10 @@ def endpoint_prompts(target: Target, scenario: ScenarioSpec, n: int) -> list[lis
 
 def bench_endpoint(
     target: Target, scenario_name: str, scenario: ScenarioSpec, *, timeout_s: float = 900.0
-) -> tuple[SpeedResult, list[ServingLoad], dict[str, Any]]:
+) -> tuple[SpeedResult, list[ServingLoad]]:
     """Drive the server through the serving scenario's loads. Returns the summed result (as
-    serve_scenario's: tokens_per_s is the best load's), the loads, and the server's identity.
-    Never raises for server trouble: the result says failed."""
+    serve_scenario's: tokens_per_s is the best load's), with the server's identity in details["endpoint"] once its
+    loads ran, and the loads. Never raises for server trouble: the result says failed."""
     config = {**scenario.model_dump(mode="json"),
               "endpoint": {"base_url": target.base_url, "model": target.model, "api_key_env": target.api_key_env,
                            "prompt_format": target.prompt_format, "vllm_extras": target.vllm_extras,
@@ -192,7 +191,7 @@ def bench_endpoint(
         return SpeedResult(ENGINE, scenario_name, status, scrub(reason, secret), config, **measured)  # type: ignore[arg-type]
 
     if not isinstance(scenario, ServingScenario):
-        return result("failed", f"scenario {scenario_name!r} is {scenario.kind}; an endpoint runs serving scenarios"), [], {}
+        return result("failed", f"scenario {scenario_name!r} is {scenario.kind}; an endpoint runs serving scenarios"), []
     try:
         secret = target.api_key()
         headers = target.headers()
@@ -203,7 +202,7 @@ def bench_endpoint(
         loads = run_loads(target.base_url, target.model, scenario, sizes, prompts, None, deadline,
                           headers=headers, vllm_extras=target.vllm_extras)
     except Exception as e:  # noqa: BLE001 - one failed row, the caller goes on
-        return result("failed", f"{type(e).__name__}: {e}"), [], {}
+        return result("failed", f"{type(e).__name__}: {e}"), []
     for load in loads:
         for r in load.records:
             r.error = scrub(r.error, secret)
@@ -214,10 +213,11 @@ def bench_endpoint(
     summaries = [{"load": load.label, **summarize(load.records, load.duration_s, slo)} for load in loads]
     ok = [r for load in loads for r in load.records if r.success]
     if not loads:
-        return result("failed", "the time was up before the first load"), loads, identity
+        return result("failed", "the time was up before the first load", details={"endpoint": identity}), loads
     if not ok:
         first_error = next((r.error for load in loads for r in load.records if r.error), None)
-        return result("failed", f"no request succeeded: {first_error}", repetitions=summaries), loads, identity
+        return result("failed", f"no request succeeded: {first_error}", repetitions=summaries,
+                      details={"endpoint": identity}), loads
     best = max(summaries, key=lambda s: s["output_tokens_per_s"])
     versions = {k: v for k, v in (("server", identity.get("server")), ("server_version", identity.get("server_version")),
                                    ("model", seen.get("model")), ("system_fingerprint", seen.get("system_fingerprint")))
@@ -240,7 +240,7 @@ def bench_endpoint(
         repetitions=summaries,
         versions=versions,
         details=details,
-    ), loads, identity
+    ), loads
 
 
 def measure_endpoint(target: Target, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *, work_dir: Path,
@@ -249,13 +249,10 @@ def measure_endpoint(target: Target, engine: str, scenarios: Sequence[tuple[str,
                      ) -> list[tuple[SpeedResult, list[ServingLoad]]]:
     """The `endpoint` backend of tasks/steps/measure.py: each serving scenario driven against the server `target`
     reaches. Nothing is started, so nothing is written under `work_dir` and there is no base to pair with; the
-    server's identity rides in each row's details["endpoint"], failed rows included."""
+    server's identity rides in each row's details["endpoint"]."""
     out = []
     for name, scenario in scenarios:
-        result, loads, identity = bench_endpoint(target, name, scenario,
-                                                 **({"timeout_s": timeout_s} if timeout_s else {}))
-        if identity and "endpoint" not in result.details:
-            result = dataclasses.replace(result, details={**result.details, "endpoint": identity})
+        result, loads = bench_endpoint(target, name, scenario, **({"timeout_s": timeout_s} if timeout_s else {}))
         if on_point:
             on_point(result, loads)
         out.append((result, loads))
