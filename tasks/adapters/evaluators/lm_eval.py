@@ -41,7 +41,7 @@ LOADED_POLL_S = 0.5
 # vLLM's documented way to make an offline run repeat on the same GPU model and vLLM version: the engine core in
 # the evaluating process, which then batches every request lm-eval handed it before its first step. In its own
 # process the core starts stepping while requests still arrive, so a batch's make-up, and with it the last bits
-# of the logits, moves from run to run: the reference model's base scored 384 then 383 of 800 GSM8K items on one
+# of the logits, moves from run to run: the reference model's base scored 383 then 384 of 800 GSM8K items on one
 # machine, enough to move a gate whose interval ends at its threshold.
 VLLM_REPEATABLE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
