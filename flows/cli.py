@@ -244,16 +244,21 @@ def deploy(
     repo: Annotated[Optional[Path], typer.Option(help="checkout with prefect.yaml that workers run (default: this one)")] = None,
     model_runs: Annotated[Optional[int], typer.Option(
         min=1, help="how many model runs the GPU pool takes at once over all hosts (default: its workers' limits)")] = None,
+    warehouse: WarehouseOpt = None,
 ) -> None:
     """Create the work pools, every deployment of prefect.yaml and the liveness automations on the Prefect server
-    (PREFECT_API_URL)."""
+    (PREFECT_API_URL), and the warehouse the runs write (as `quantgate warehouse init` does)."""
     from quantgate.flows import deploy as deploying
 
+    deploying.api_url()  # no server: one line, before anything is created
+    created = store.init(warehouse)
     names = deploying.deploy(repo or deploying.REPO, model_runs=model_runs)
+    console.print(created, highlight=False)
     for name in names:
         console.print(name)
     console.print(f"{len(names)} deployments on {deploying.api_url()}; start workers: prefect worker start --pool"
-                  " quantgate-cpu, and on each GPU host --pool quantgate-gpu --limit <its GPU count>")
+                  " quantgate-cpu, and on each host that runs models --pool quantgate-gpu --limit <its GPU count>"
+                  " (--limit 1 on a host without GPUs)")
 
 
 @app.command()
@@ -389,6 +394,13 @@ def export(
     with store.session(warehouse, read_only=True) as con:
         files = store.export(con, folder, fmt, views=not tables_only)
     console.print(f"{len(files)} {fmt} files in {folder}")
+
+
+@warehouse_app.command("init")
+def warehouse_init(warehouse: WarehouseOpt = None) -> None:
+    """Create the warehouse with its schema and views (or bring an existing one up to date): it can be queried
+    before the first run writes. Harmless to repeat; `quantgate deploy` does it too."""
+    console.print(store.init(warehouse), highlight=False)
 
 
 @warehouse_app.command("init-sql")

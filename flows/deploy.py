@@ -14,7 +14,7 @@ from quantgate.catalog.settings import settings
 REPO = Path(__file__).resolve().parents[1]
 POOLS = {"quantgate-cpu": "the nightly, the release watcher and warehouse upkeep: they start model runs, and measure nothing",
          "quantgate-gpu": "a model's whole run (build, evaluation, KL, benchmarks, decisions) on one host, holding its"
-                          " GPUs; one worker per host, --limit its GPU count"}
+                          " GPUs; one worker per host, --limit its GPU count (1 on a host without GPUs)"}
 MODEL_POOL = "quantgate-gpu"
 # A flow run of ours whose heartbeats (every 30 s, prefect.yaml) stop for this long is crashed: its host or worker died.
 SILENT_S = 90

@@ -44,6 +44,16 @@ class WarehouseError(QuantgateError, RuntimeError):
     """A warehouse that cannot be opened, migrated or written; the message is one line."""
 
 
+class NoWarehouse(WarehouseError):
+    """A read of a warehouse that was never created: no catalog file, or a catalog database DuckLake never set up."""
+
+
+# What DuckLake says when a read-only attach finds no lake in its catalog (an empty file, an empty PostgreSQL
+# database), and when a lake would be created without a data path.
+_NOT_CREATED = "creating a new DuckLake is explicitly disabled"
+_NO_DATA_PATH = "data_path is not set"
+
+
 @dataclass(frozen=True)
 class Address:
     """A warehouse: its DuckLake catalog (`sqlite:PATH` or `postgres:CONNINFO`) and where its data files go."""
@@ -151,8 +161,19 @@ def open_lake(where: Address, read_only: bool, config: dict[str, Any] | None = N
         con.execute(f"USE {ALIAS}")
     except duckdb.Error as e:
         con.close()
+        if read_only and _NOT_CREATED in str(e):
+            raise not_created(where) from None
+        if _NO_DATA_PATH in str(e):
+            raise WarehouseError(f"{where.label}: a new warehouse needs a folder for its data files every writer"
+                                 " reaches: set QUANTGATE_WAREHOUSE_DATA (e.g. /shared/quantgate-lake/ or s3://...)"
+                                 ) from None
         raise WarehouseError(f"{where.label}: cannot open warehouse ({str(e).splitlines()[0]})") from None
     return con
+
+
+def not_created(where: Address) -> NoWarehouse:
+    return NoWarehouse(f"no warehouse at {where.label}: create it with 'quantgate warehouse init'"
+                       " (or 'quantgate deploy')")
 
 
 def _prepare_sqlite(where: Address, read_only: bool) -> None:
@@ -161,7 +182,7 @@ def _prepare_sqlite(where: Address, read_only: bool) -> None:
     if path.exists():
         check_file(path)
     elif read_only:
-        raise WarehouseError(f"{path}: no such warehouse (run `quantgate demo` or `quantgate run` first)")
+        raise not_created(where)
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
     if not read_only:

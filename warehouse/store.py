@@ -176,6 +176,45 @@ def connect(path: str | Path | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def init(path: str | Path | None = None) -> str:
+    """Create the warehouse with its schema and views, or bring an existing one up to date (pending migrations,
+    changed views); harmless to repeat. Returns one line saying which it was. `quantgate warehouse init` and
+    `quantgate deploy` call it, so that a team's warehouse is there to query before the first run writes."""
+    where = address(path)
+    before = _state(where)
+    with session(path) as con:  # the first writable session of the process migrates and applies the views
+        after = _schema_state(con)
+    version = after[0]
+    if before is None:
+        return f"{where.label}: warehouse created (schema version {version})"
+    if before == after:
+        return f"{where.label}: warehouse exists and is up to date (schema version {version})"
+    if before[0] != version:
+        return f"{where.label}: warehouse exists; migrated from schema version {before[0]} to {version}"
+    return f"{where.label}: warehouse exists (schema version {version}); its views were updated"
+
+
+def _state(where: lake.Address) -> tuple[int, str | None] | None:
+    """(schema version, views checksum) of the warehouse as it stands, or None where it was never created."""
+    try:
+        con = lake.open_lake(where, read_only=True)
+    except lake.NoWarehouse:
+        return None
+    try:
+        return _schema_state(con)
+    finally:
+        con.close()
+
+
+def _schema_state(con: duckdb.DuckDBPyConnection) -> tuple[int, str | None]:
+    version = views = None
+    if _has_table(con, "schema_migrations"):
+        (version,) = con.execute("SELECT coalesce(max(version), 0) FROM schema_migrations").fetchone()
+    if _has_table(con, "schema_views"):
+        views = (con.execute("SELECT max(checksum) FROM schema_views").fetchone() or [None])[0]
+    return version or 0, views
+
+
 def maintain(path: str | Path | None = None, keep_days: int = 7) -> list[tuple[str, float]]:
     """DuckLake's maintenance, holding the write lock: (step, seconds) each."""
     import time
