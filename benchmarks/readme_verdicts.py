@@ -175,7 +175,7 @@ def main() -> None:
         return
     readme = PAGE.read_text()
     if BEGIN not in readme or END not in readme:
-        sys.exit(f"{PAGE}: no {BEGIN} … {END} markers to write between")
+        sys.exit(f"error: {PAGE}: no {BEGIN} … {END} markers to write between")
     head, rest = readme.split(BEGIN, 1)
     PAGE.write_text(head + text + rest.split(END, 1)[1])
 

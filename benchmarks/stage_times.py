@@ -32,7 +32,7 @@ def main() -> None:
             con, "SELECT run_id FROM runs WHERE flow_name = 'evaluate-model' AND (? IS NULL OR model_id = ?)"
                  " ORDER BY started_at DESC LIMIT 2", [args.model, args.model]))]
         if not runs:
-            sys.exit(f"no evaluate-model runs in {args.warehouse}")
+            sys.exit(f"error: no evaluate-model runs in {args.warehouse}")
         stages = {run: {r["stage"]: r for r in store.stage_summary(con, run)} for run in runs}
         timeline = {r["run_id"]: r for r in store.rows(
             con, f"SELECT * FROM run_timeline WHERE run_id IN ({', '.join('?' * len(runs))})", runs)}
