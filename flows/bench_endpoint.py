@@ -26,6 +26,7 @@ from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.catalog.records import SpeedResult, VariantArtifact
 from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.tasks.adapters.endpoint import ENGINE, Target
+from quantgate.tasks.runtime import environment
 from quantgate.tasks.steps.measure import measure
 from quantgate.warehouse import store
 
@@ -101,7 +102,7 @@ def bench_endpoint_flow(
     variant = endpoint_variant(target)
     uid = variant_uid or variant.uid
     with store.session(wh) as con:
-        store.start_run(con, run_id, FLOW_NAME, target.model, cat_path, cat.hash, platform.node(), {})
+        store.start_run(con, run_id, FLOW_NAME, target.model, cat_path, cat.hash, platform.node(), environment.program())
         store.record_prices(con, run_id, cat.gpu_prices, cat.hash)
         if variant_uid is None:
             store.record_variant(con, run_id, variant, role="variant")

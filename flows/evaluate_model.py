@@ -32,7 +32,7 @@ from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.flows.live import work_dir
 from quantgate.flows.speed_plan import SpeedPlan
-from quantgate.tasks.runtime import faults, gpu_memory, launch, placement
+from quantgate.tasks.runtime import environment, faults, gpu_memory, launch, placement
 from quantgate.tasks.steps.caching import build_cached, check_calibration_cached, download_cached
 from quantgate.tasks.steps.calibration import CalibrationError
 from quantgate.tasks.steps.decide import decide_task
@@ -197,7 +197,8 @@ def _run(cat: Catalog, cat_path: Path, spec: ModelSpec, warehouse: str | None, w
         with store.session(wh) as con:
             run_id, resumed = store.begin_run(con, attempt_id, "evaluate-model", spec.id,
                                               resume_key(cat, spec, engines), str(cat_path.resolve()), cat.hash,
-                                              host_name(), lib_versions(), exclusive=where is not None)
+                                              host_name(), {**lib_versions(), **environment.program()},
+                                              exclusive=where is not None)
             if not resumed:  # a resumed run keeps the prices its costs were computed with
                 store.record_prices(con, run_id, cat.gpu_prices, cat.hash)
         run = _Run(wh, run_id, attempt_id)

@@ -40,7 +40,7 @@ from quantgate.catalog.settings import host_name
 from quantgate.flows.live import work_dir
 from quantgate.tasks.adapters import engines
 from quantgate.tasks.adapters.speed.options import resolve_device
-from quantgate.tasks.runtime import launch, placement
+from quantgate.tasks.runtime import environment, launch, placement
 from quantgate.tasks.runtime.launch import in_lanes
 from quantgate.tasks.steps.benchmark import engine_sessions
 from quantgate.tasks.steps.measure import measure
@@ -344,7 +344,8 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
     root = work_dir(workdir) / "gpu" / shape
     spec_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     with store.session(wh) as con:
-        store.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, host_name(), _versions())
+        store.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, host_name(),
+                        {**_versions(), **environment.program()})
         prices, prices_from = suite_prices(spec, spec_hash)
         store.record_prices(con, run_id, prices, prices_from)
     with store.run_outcome(wh, run_id):

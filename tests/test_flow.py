@@ -3,6 +3,7 @@ lm-eval, transformers and DuckDB, into a temporary warehouse; then the same mode
 
 import csv
 import io
+import json
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.flows.evaluate_model import evaluate_model
+from quantgate.tasks.runtime import environment
 from quantgate.warehouse import store
 
 pytestmark = pytest.mark.slow
@@ -46,8 +48,11 @@ def tiny_model_module():
 def test_first_run_stores_every_stage(two_runs):
     wh, first, _, _ = two_runs
     with store.session(wh, read_only=True) as con:
-        (run_id, status) = con.execute("SELECT run_id, status FROM runs ORDER BY started_at LIMIT 1").fetchone()
+        (run_id, status, versions) = con.execute(
+            "SELECT run_id, status, versions FROM runs ORDER BY started_at LIMIT 1").fetchone()
         assert status == "completed"
+        # The run names the program that made it: the libraries and the lock this environment came from.
+        assert json.loads(versions)["lock"] == environment.program()["lock"] and "transformers" in json.loads(versions)
         built = store.rows(con, "SELECT name, method, status, size_bytes, recipe_hash FROM variants ORDER BY name")
         assert [(r["name"], r["method"], r["status"]) for r in built] == [
             ("awq-w4a16-g32", "awq", "built"), ("base", "base", "built"), ("bnb-nf4", "bnb", "built"),
