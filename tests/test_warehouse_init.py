@@ -123,6 +123,7 @@ def test_init_on_a_postgresql_catalog(pg_conninfo, tmp_path):
     assert "warehouse exists and is up to date" in again.stdout
 
 
+@pytest.mark.slow
 def test_deploy_creates_the_warehouse(tmp_path):
     wh = tmp_path / "w.ducklake"
     # No Prefect server: one line, and no warehouse made for deployments that do not exist.
