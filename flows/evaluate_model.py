@@ -210,6 +210,14 @@ def _run(cat: Catalog, cat_path: Path, spec: ModelSpec, warehouse: str | None, w
         with interrupts.guard(), tags("quantgate", f"model:{spec.id}"):
             sha = _evaluate(cat, spec, run, root, engines, remeasure, lanes)
     except interrupts.Interrupted as e:
+        # A run of the deployment cancelled from Prefect gets its worker's SIGTERM: it ends Cancelled, not Crashed
+        # (which the retry automation would start again), and its row says cancelled.
+        cancel = interrupts.prefect_cancellation() if where is not None else None
+        if cancel is not None:
+            reason = f"cancelled from Prefect during {e.stages}" + (f": {cancel}" if cancel else "")
+            log.info("%s", reason)
+            _finish(run, reason, cancelled=True)
+            interrupts.end_cancelled(reason)
         _finish(run, str(e))  # the next run of the same request resumes it
         raise
     except USER_ERRORS as e:
@@ -228,10 +236,10 @@ def _run(cat: Catalog, cat_path: Path, spec: ModelSpec, warehouse: str | None, w
     return card
 
 
-def _finish(run: _Run, error: str | None) -> None:
+def _finish(run: _Run, error: str | None, cancelled: bool = False) -> None:
     try:
         with store.session(run.wh) as con:
-            store.finish_run(con, run.run_id, error=error, attempt_id=run.attempt_id)
+            store.finish_run(con, run.run_id, error=error, attempt_id=run.attempt_id, cancelled=cancelled)
     except store.WarehouseError as e:
         if error is None:
             raise

@@ -4,6 +4,12 @@ One handler for both signals, installed around the flow's stages. It raises `Int
 BaseException, so that neither Prefect's task retries nor a variant's `except Exception` swallows it;
 the `finally` blocks on the way out end the engine and server sessions they own, and `guard` then ends
 whatever process the run started that is still alive, by process group.
+
+A SIGTERM is also how a Prefect worker ends the process of a run cancelled from Prefect (`prefect flow-run
+cancel`, the UI). The handler replaces Prefect's own SIGTERM bridge, so Prefect cannot tell that SIGTERM from a
+host's shutdown: left to Prefect, the run would be reported Crashed, and `quantgate deploy`'s retry automation
+would start it again. `prefect_cancellation` asks the server instead, and `end_cancelled` ends the run as Prefect
+ends a cancelled one: Cancelled, process exit 0, nothing to retry.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import NoReturn
 
 import psutil
 
@@ -27,7 +34,7 @@ class Interrupted(BaseException):
     """The run got SIGINT or SIGTERM; the message is the run row's error."""
 
     def __init__(self, signum: int, stages: str) -> None:
-        self.signum = signum
+        self.signum, self.stages = signum, stages
         super().__init__(f"interrupted ({signal.Signals(signum).name}) during {stages}")
 
     @property
@@ -73,3 +80,40 @@ def guard() -> Iterator[None]:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+def prefect_cancellation() -> str | None:
+    """Whether this process's flow run was cancelled from Prefect: its state on the server is Cancelling (or
+    already Cancelled). Returns the state's message ("" when it has none), None when it is not cancelled, when
+    this process runs no flow run, or when the server cannot say (then the signal is taken as an interrupt)."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return None
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.id).state
+    except Exception:
+        return None
+    if state is None or not (state.is_cancelling() or state.is_cancelled()):
+        return None
+    return state.message or ""
+
+
+def end_cancelled(reason: str) -> NoReturn:
+    """End this flow run as a cancelled one: its state Cancelled with `reason`, then Prefect's `Abort`, which its
+    engine takes as the orchestrator's word to stop (no Crashed state, process exit 0); the worker that sent the
+    SIGTERM then confirms the Cancelled state. Call it only when `prefect_cancellation` said so."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import Abort
+    from prefect.runtime import flow_run
+    from prefect.states import Cancelled
+
+    stop = Abort(reason)
+    with contextlib.suppress(Exception):  # the worker sets Cancelled in any case once this process has exited
+        with get_client(sync_client=True) as client:
+            result = client.set_flow_run_state(flow_run.id, Cancelled(message=reason))
+        if result.state is not None:
+            stop.state = result.state  # the engine's record of the state the run ended in (its final log line)
+    raise stop

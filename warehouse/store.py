@@ -372,8 +372,11 @@ def start_run(con, run_id: str, flow_name: str, model_id: str | None, catalog_pa
             con.execute("UPDATE runs SET status = 'running', error = NULL, finished_at = NULL WHERE run_id = ?", [run_id])
 
 
-def finish_run(con, run_id: str, error: str | None = None, attempt_id: str | None = None) -> None:
-    status = "failed" if error else "completed"
+def finish_run(con, run_id: str, error: str | None = None, attempt_id: str | None = None,
+               cancelled: bool = False) -> None:
+    """The run, and its attempt, over: completed, failed with `error`, or `cancelled` (from Prefect; `error` says
+    how). A later run of the same request resumes a failed or cancelled run (`begin_run`)."""
+    status = "cancelled" if cancelled else "failed" if error else "completed"
     with transaction(con):
         con.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE run_id = ?",
                     [status, error, now(), run_id])
