@@ -65,9 +65,9 @@ def server(home: Path, extra_env: dict[str, str] | None = None) -> Iterator[tupl
         "PREFECT_API_URL": url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_UI_ENABLED": "false",
-        # Deployments keep their schedules (asserted through the API), but no run is created from them:
-        # a nightly firing during the test would evaluate the whole catalog.
-        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+        # The scheduler runs, as on a team's server (tests/test_scheduler.py): what it schedules runs only where a test
+        # starts a worker of that pool. Its "recent deployments" pass every 2 s instead of 5.
+        "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "2",
         "PREFECT_LOGGING_LEVEL": "INFO",
         "DO_NOT_TRACK": "1",
         **(extra_env or {}),
