@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU work longer than one device call (10 min): run it in a session of its own on the device machine, which
 # outlives the call that started it (the machine stays while calls follow each other), and collect it with
-# later calls. From the repository root on the device, after the devkit install:
+# later calls. From the repository root on the device, after the GPU lock's install (lock_kit.py):
 #
 #     bash benchmarks/gpu/background.sh start NAME [--after OTHER] 'COMMAND'
 #     bash benchmarks/gpu/background.sh wait SECONDS NAME...
@@ -33,7 +33,7 @@ start)
     if [ -d "$job" ] && ! ended "$name"; then echo "background: $name is still running"; exit 2; fi
     rm -rf "$job"
     mkdir -p "$job/out"
-    tar -cf - --exclude=./.git --exclude=./gpu-out --exclude=./.devkit --exclude=./.gpu-carry/gguf1 --exclude=./.gpu-carry/gguf2 --exclude=./.gpu-carry/bnb --exclude=./.gpu-carry/wheels --exclude=./.gpu-carry/wheels-gguf --exclude=./.venv . | tar -xf - -C "$job" --one-top-level=repo
+    tar -cf - --exclude=./.git --exclude=./gpu-out --exclude=./.devkit --exclude=./.lockkit --exclude=./.gpu-carry/gguf1 --exclude=./.gpu-carry/gguf2 --exclude=./.gpu-carry/bnb --exclude=./.gpu-carry/wheels --exclude=./.gpu-carry/wheels-gguf --exclude=./.venv . | tar -xf - -C "$job" --one-top-level=repo
     printf '%s\n' "$cmd" > "$job/command.txt"
     # The whole list is redirected, not only its last command: a backgrounded `cd && cmd > f` keeps the caller's
     # stdout open until the job ends, so `background.sh start ... | tail` would wait for the job.

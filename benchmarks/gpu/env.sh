@@ -1,4 +1,4 @@
-# Sourced by the device scripts: the devkit on the path, quantgate importable without installing,
+# Sourced by the device scripts: the GPU lock's packages on the path (benchmarks/gpu/lock_kit.py), quantgate importable without installing,
 # offline flags, Prefect's ephemeral API, and a pid file through which servers are stopped by id.
 # Expects REPO and WORK to be set.
 DEVKIT="${DEVKIT_SITE:-/root/devkit-site}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The evaluate-model flow on a real model on the GPU machine: the GGUF demo model dequantized,
 # AWQ and GPTQ built by llm-compressor on the GPU, lm-eval through its vLLM backend, Transformers
-# and vLLM benchmarked, decisions made. After the devkit install and stage_demo_model.sh, from the
+# and vLLM benchmarked, decisions made. After the GPU lock's install (lock_kit.py) and stage_demo_model.sh, from the
 # repository root (carry [".gpu-carry/data"] for the offline eval data):
 #
 #     bash benchmarks/gpu/run_real.sh [MODEL [quantgate run options]]   # default smollm2-135m

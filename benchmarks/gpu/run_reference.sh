@@ -2,7 +2,7 @@
 # The reference run on the GPU machine: Qwen2.5-Coder-1.5B-Instruct (assembled from its 22 registry parts, staged
 # in $QUANTGATE_WHEELHOUSE by stage_reference_model.sh) and pulled into the work dir (`quantgate pull`, timed on its
 # own: a nightly finds its models pulled), its variants, the reference suite and scenarios, decided by
-# `quantgate run`, timed from start to exit. After the devkit install and the staging, from
+# `quantgate run`, timed from start to exit. After the GPU lock's install (lock_kit.py) and the staging, from
 # the repository root (carry [".gpu-carry/data"] for the offline eval data), under background.sh:
 #
 #     bash benchmarks/gpu/run_reference.sh [quantgate run options, e.g. --gpus 0,1]

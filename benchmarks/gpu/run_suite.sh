@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite as one command, on the device, after the devkit is installed (vLLM, Prefect, DuckDB
+# The GPU suite as one command, on the device, after the GPU lock is installed (vLLM, Prefect, DuckDB
 # in /root/devkit-site). From the repository root:
 #
 #     bash benchmarks/gpu/run_suite.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tests (pytest -m gpu) on the device, after the devkit is installed. From the repository root:
+# The GPU tests (pytest -m gpu) on the device, after the GPU lock is installed (lock_kit.py). From the repository root:
 #     bash benchmarks/gpu/run_tests.sh [pytest args]
 # Writes $OUT/gpu_tests.txt (default ./gpu-out) besides printing, one line per test as it ends (-v), so a run cut
 # short by a call's limit still says which tests passed. Needs pytest-xdist (in the device image).

