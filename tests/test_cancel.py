@@ -4,7 +4,8 @@ workers of tests/test_deployment.py (its `deployed` fixture: a server of this mo
 A run of evaluate-model cancelled from Prefect (`prefect flow-run cancel`, as the UI does: its state set to
 Cancelling) while it evaluates its base ends Cancelled: no Crashed state, no AwaitingRetry from `quantgate deploy`'s
 retry automation, no second start on an idle host; its process and what it started are gone, and its warehouse row
-says cancelled, with the stage. Then a worker told SIGTERM is gone within 10 s.
+says cancelled, with the stage. Then a worker told SIGTERM is gone within 10 s, idle or with a run in flight; the
+run goes with it unannounced (Prefect's worker ends it at once), left to the heartbeat automation.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def test_a_run_cancelled_from_prefect_ends_cancelled_and_is_not_started_again(de
 
 
 def test_a_worker_told_sigterm_is_gone_within_10_s(deployed):
-    """SIGTERM to the worker's own pid (as `kill <pid>` or systemd's stop does), idle: it exits within 10 s."""
+    """SIGTERM to an idle worker's pid (`kill <pid>`): it exits within 10 s."""
     worker = prefect_server.start(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "quantgate-gpu", "--type", "process",
          "--limit", "1", "--name", "host-z"], {**deployed["env"], "QUANTGATE_HOST": "host-z"},
@@ -113,3 +114,40 @@ def test_a_worker_told_sigterm_is_gone_within_10_s(deployed):
         assert time.monotonic() - told < 10 and code == 0
     finally:
         prefect_server.stop(worker)
+
+
+def test_a_worker_told_sigterm_mid_run_is_gone_within_10_s_and_takes_its_run_with_it(deployed):
+    """What is true of stopping a host's worker while it runs a model: the worker is gone within 10 s, and Prefect's
+    worker ends the run's process as it goes (SIGTERM, then SIGKILL at once), so the run's own cleanup does not
+    happen: its warehouse row still says running and its Prefect state Running, until the heartbeat automation
+    crashes it (90 s) and the retry automation starts it again on another host (tests/test_deployment.py)."""
+    paused = deployed["tmp"] / "paused-stop.txt"
+    hosts = Hosts(deployed)
+    hosts.start("host-s", QUANTGATE_FAULT="evaluate=pause", QUANTGATE_FAULT_PAUSED=str(paused))
+    worker = hosts.workers["host-s"]
+    try:
+        run_id = submit(deployed, str(deployed["models"]["stories260k-c"]))
+        deadline = time.monotonic() + 300
+        while not paused.exists() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert paused.exists(), hosts.logs()
+        pid = int(paused.read_text().split()[1])
+        told = time.monotonic()
+        os.kill(worker.pid, signal.SIGTERM)
+        try:
+            code = worker.wait(10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"worker alive 10 s after SIGTERM, its run in flight:\n{hosts.logs()}")
+        gone_s = time.monotonic() - told
+        while _alive([pid]) and time.monotonic() - told < 10:
+            time.sleep(0.2)
+        left = _alive([pid])
+        with client(deployed["url"]) as c:
+            state = c.read_flow_run(run_id).state
+        [row] = attempts(deployed, "stories260k-c")
+    finally:
+        hosts.stop_all()
+    assert gone_s < 10 and code == 0
+    assert not left, "the run's process outlived its worker"
+    assert state.is_running(), state
+    assert (row["run_id"], row["run_status"], row["status"]) == (run_id, "running", "running")
