@@ -79,8 +79,10 @@ def ensure_pools(pools: dict[str, str] = POOLS, model_runs: int | None = None) -
 def ensure_automations(client: Any, deployments: dict[str, str]) -> None:
     """Liveness from Prefect: a run of a quantgate deployment whose heartbeats stop is crashed (Prefect's zombie
     recipe), and a crashed evaluate-model run is scheduled again (`AwaitingRetry`), so that a worker of any host
-    resumes it at its first unfinished stage; the run itself stops after QUANTGATE_MAX_ATTEMPTS. Replaces the
-    automations of the same names, so a redeploy's deployment ids are the ones matched."""
+    resumes it at its first unfinished stage; the run itself stops after QUANTGATE_MAX_ATTEMPTS. A run cancelled from
+    Prefect is left alone by both: Prefect refuses Crashed to a run that is Cancelling or Cancelled (neither action
+    forces it), and the run reports the worker's SIGTERM as its cancellation, not as a crash (flows/interrupts.py).
+    Replaces the automations of the same names, so a redeploy's deployment ids are the ones matched."""
     from datetime import timedelta
 
     from prefect.client.schemas.objects import StateType

@@ -110,7 +110,8 @@ def test_a_worker_told_sigterm_is_gone_within_10_s(deployed):
         try:
             code = worker.wait(10)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"worker alive 10 s after SIGTERM: {(deployed['tmp'] / 'worker-host-z.log').read_text()[-3000:]}")
+            log = (deployed["tmp"] / "worker-host-z.log").read_text()
+            pytest.fail(f"worker alive 10 s after SIGTERM: {log[-3000:]}")
         assert time.monotonic() - told < 10 and code == 0
     finally:
         prefect_server.stop(worker)
