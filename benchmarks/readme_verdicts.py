@@ -1,7 +1,7 @@
 """docs/results.md: the "Verdicts on the H200" section, generated from a committed reference run's tables.
 
-    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference10          # print the section
-    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference10 --write  # replace it in docs/results.md
+    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference12          # print the section
+    python benchmarks/readme_verdicts.py benchmarks/results/h200/reference12 --write  # replace it in docs/results.md
 
 The folder holds the tables a run measured (Parquet, as `quantgate export --tables-only` writes them); they are
 loaded through today's migrations and views (benchmarks/summarize.py), and the section lists, per variant, its
