@@ -40,3 +40,27 @@ def test_start_returns_through_a_pipe_while_the_job_runs_and_wait_collects_it(tm
     with tarfile.open(tmp_path / "out" / "j1.tar.gz") as tar:
         names = tar.getnames()
     assert "./rc" in names and "./out/where.txt" in names and not any(n.startswith("./repo") for n in names)
+
+
+def test_stop_ends_a_running_job_and_its_children_and_keeps_what_it_wrote(tmp_path):
+    env = _env(tmp_path)
+    # A job with a child of its own that would run for minutes: stop must end both, not only the shell.
+    job = 'echo begun > "$OUT/begun.txt"; sleep 300 & wait'
+    started = subprocess.run(["bash", str(SCRIPT), "start", "long", job], env=env, cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+    assert "background: started long" in started.stdout
+    jobdir = tmp_path / "jobs" / "long"
+    for _ in range(100):
+        if (jobdir / "out" / "begun.txt").exists():
+            break
+        import time
+
+        time.sleep(0.1)
+    pid = int((jobdir / "pid").read_text())
+    stopped = subprocess.run(["bash", str(SCRIPT), "stop", "long"], env=env, cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+    assert "background: long stopped" in stopped.stdout and (jobdir / "rc").exists()
+    # Nothing of the job's process group is left.
+    left = subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
+    assert (jobdir / "out" / "begun.txt").read_text().strip() == "begun"

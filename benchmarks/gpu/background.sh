@@ -5,6 +5,7 @@
 #
 #     bash benchmarks/gpu/background.sh start NAME [--after OTHER] 'COMMAND'
 #     bash benchmarks/gpu/background.sh wait SECONDS NAME...
+#     bash benchmarks/gpu/background.sh stop NAME
 #
 # start: waits for job OTHER to end (if given), copies the repository as it is in this call to
 #   $QG_JOBS/NAME/repo (later calls replace the working tree; a running job keeps its own copy), and runs
@@ -39,7 +40,21 @@ start)
     # stdout open until the job ends, so `background.sh start ... | tail` would wait for the job.
     (cd "$job/repo" && OUT="$job/out" exec setsid bash -c 'bash -c "$1"; echo $? > "$2"' _ "$cmd" "$job/rc") \
         > "$job/console.txt" 2>&1 < /dev/null &
+    # setsid in a subshell that is no group leader does not fork: this pid leads the job's session and group.
+    echo $! > "$job/pid"
     echo "background: started $name at $(date -u +%T): $cmd"
+    ;;
+stop)
+    # Ends a job early (its group: SIGTERM, then SIGKILL after 10 s), e.g. to give the GPU to the next one; what it
+    # wrote stays for `wait`.
+    name="$2"; job="$JOBS/$name"
+    [ -f "$job/pid" ] || { echo "background: no job $name"; exit 2; }
+    if ! ended "$name"; then
+        kill -TERM -- "-$(cat "$job/pid")" 2>/dev/null
+        for _ in $(seq 10); do ended "$name" && break; sleep 1; done
+        ended "$name" || { kill -KILL -- "-$(cat "$job/pid")" 2>/dev/null; echo 137 > "$job/rc"; }
+    fi
+    echo "background: $name stopped at $(date -u +%T), exit $(cat "$job/rc")"
     ;;
 wait)
     limit="$2"; shift 2
@@ -61,5 +76,5 @@ wait)
     done
     ;;
 *)
-    echo "usage: background.sh start NAME [--after OTHER] 'COMMAND' | wait SECONDS NAME..."; exit 2 ;;
+    echo "usage: background.sh start NAME [--after OTHER] 'COMMAND' | wait SECONDS NAME... | stop NAME"; exit 2 ;;
 esac
