@@ -8,18 +8,26 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 
+# Why a run on a model's shape (random weights) measures no quality: its scores are noise around chance. Its
+# quality checks, the end-of-run verdicts and the report say it in these words.
+RANDOM_WEIGHTS = "random weights (a run on the model's shape): quality is not measured"
+
+
 @dataclass(frozen=True)
 class ModelArtifact:
     """A model checkpoint on local disk, identified by content (local) or commit (hub)."""
 
     model_id: str
     path: str
-    source: Literal["hub", "local", "gguf"]
+    source: Literal["hub", "local", "gguf", "shape"]
     revision: str | None
     sha: str
     architecture: str | None = None
     num_parameters: int | None = None
     size_bytes: int = 0
+    # A run on the model's shape (a `shape` source): its weights are random, so its speed, memory and time are
+    # real and its quality is not measured.
+    random_weights: bool = False
 
     @property
     def uid(self) -> str:

@@ -5,16 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import get_args
 
+from pydantic import ValidationError
+
 from quantgate.catalog.errors import CatalogError
 from quantgate.catalog.load import Catalog
 from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.scenarios import EngineName
-from quantgate.catalog.sources import HubSource, LocalSource
+from quantgate.catalog.sources import HubSource, LocalSource, ShapeSource, shape_config
+
+# `shape:NAME` (a published shape) or `shape:PATH` (a config.json, or a folder holding one): a model's shape with
+# random weights. A colon is in no hub id and ends no catalog id, so the prefix cannot shadow either.
+SHAPE_PREFIX = "shape:"
 
 
 def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None,
                 scenarios: list[str] | None = None, engines: list[str] | None = None) -> ModelSpec:
-    """A model named on the command line: a catalog id, a local folder, or a hub id (org/name[@revision]).
+    """A model named on the command line: a catalog id, a local folder, a hub id (org/name[@revision]) or a
+    model's shape with random weights (shape:NAME or shape:path/to/config.json), whose id is shape/NAME.
 
     `variants` and `scenarios` replace the catalog's lists for this run; `engines` is only checked here
     (the flow keeps each scenario's engines that it names)."""
@@ -31,15 +38,19 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
     base = catalog.model(template) if template else catalog.models[0]
     if Path(ref).expanduser().exists():
         path = Path(ref).expanduser().resolve()
-        source: HubSource | LocalSource = LocalSource(path=str(path))
+        source: HubSource | LocalSource | ShapeSource = LocalSource(path=str(path))
         model_id = path.name
+    elif ref.startswith(SHAPE_PREFIX):
+        source = _shape_source(ref.removeprefix(SHAPE_PREFIX))
+        model_id = f"shape/{source.name}"
     elif ref.count("/") == 1 and not ref.startswith((".", "/")):
         repo, _, rev = ref.partition("@")
         source = HubSource(repo_id=repo, revision=rev or "main")
         model_id = repo
     else:
         raise CatalogError(
-            f"unknown model {ref!r}: not a catalog id ({[m.id for m in catalog.models]}), an existing folder, or a hub id 'org/name'"
+            f"unknown model {ref!r}: not a catalog id ({[m.id for m in catalog.models]}), an existing folder, a hub id"
+            " 'org/name' or a shape 'shape:NAME'"
         )
     chosen = tuple(variants) if variants else base.variants
     for v in chosen:
@@ -47,6 +58,20 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
             raise CatalogError(f"unknown variant {v!r}: the catalog defines {sorted(catalog.variants)}")
     # The template's published figures are another model's.
     return base.model_copy(update={"id": model_id, "source": source, "variants": chosen, "published": (), **override})
+
+
+def _shape_source(what: str) -> ShapeSource:
+    """A published shape's name, else a path to a config.json (or its folder), checked as a catalog's would be."""
+    if Path(what).expanduser().exists():
+        source = ShapeSource(config=str(Path(what).expanduser().resolve()))
+    else:
+        try:
+            source = ShapeSource(shape=what)
+        except ValidationError as e:
+            why = e.errors()[0]["msg"].removeprefix("Value error, ")
+            raise CatalogError(f"{SHAPE_PREFIX}{what}: {why} (or a path to a config.json)") from None
+    shape_config(source)
+    return source
 
 
 def with_revision(spec: ModelSpec, revision: str | None) -> ModelSpec:

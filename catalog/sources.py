@@ -1,7 +1,9 @@
-"""A model's source (`models[].source`): a hub repository at a revision, a local folder, or a GGUF file."""
+"""A model's source (`models[].source`): a hub repository at a revision, a local folder, a GGUF file, or a model's
+shape (its config) with random weights."""
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from pathlib import Path
@@ -10,6 +12,8 @@ from typing import Annotated, Literal
 from packaging.version import InvalidVersion, Version
 from pydantic import Field, field_validator, model_validator
 
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.shapes import SHAPES
 from quantgate.catalog.spec import Strict
 
 
@@ -118,4 +122,53 @@ class GgufSource(Strict):
         return self
 
 
-Source = Annotated[HubSource | LocalSource | GgufSource, Field(discriminator="kind")]
+class ShapeSource(Strict):
+    """A model's shape, its weights not at hand: a published config by name (`shape`, catalog/shapes.py) or any
+    local config.json (`config`: the file, or a folder holding it). The download step writes that shape with
+    random weights (a fixed seed), so a run measures what a verdict on the model costs (time, GPU memory, disk)
+    before its weights are fetched; its quality gates measure nothing and say so."""
+
+    kind: Literal["shape"] = "shape"
+    shape: str | None = None
+    config: str | None = None
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> ShapeSource:
+        if (self.shape is None) == (self.config is None):
+            raise ValueError("a shape source needs exactly one of 'shape' (a published shape's name) or 'config' "
+                             "(a local config.json)")
+        if self.shape is not None and self.shape not in SHAPES:
+            raise ValueError(f"unknown shape {self.shape!r}: known shapes are {sorted(SHAPES)}")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The shape's name: the published one's, else the name of the folder its config.json is in."""
+        if self.shape is not None:
+            return self.shape
+        path = Path(str(self.config)).expanduser()
+        return (path if path.is_dir() else path.parent).resolve().name
+
+
+def shape_config(src: ShapeSource) -> dict:
+    """The config.json `src` names, read and checked as far as a catalog can: a JSON object with a `model_type`
+    and an integer `vocab_size` (whether transformers can build it is the download step's to say)."""
+    if src.shape is not None:
+        return dict(SHAPES[src.shape])
+    path = Path(str(src.config)).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:
+        raise CatalogError(f"shape config {path}: cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise CatalogError(f"shape config {path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise CatalogError(f"shape config {path}: not a model config (no 'model_type')")
+    if not isinstance(config.get("vocab_size"), int):
+        raise CatalogError(f"shape config {path}: not a model config (no integer 'vocab_size')")
+    return config
+
+
+Source = Annotated[HubSource | LocalSource | GgufSource | ShapeSource, Field(discriminator="kind")]

@@ -21,6 +21,7 @@ from rich.table import Table
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.load import load_catalog
 from quantgate.catalog.paths import DEFAULT_CATALOG
+from quantgate.catalog.records import RANDOM_WEIGHTS
 from quantgate.catalog.selection import adhoc_model, resolve_variants
 from quantgate.flows import interrupts
 from quantgate.warehouse import store
@@ -59,7 +60,7 @@ def _main(debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")
 
 @app.command()
 def run(
-    model: Annotated[str, typer.Argument(help="catalog id, local model folder, or hub id org/name[@revision]")],
+    model: Annotated[str, typer.Argument(help="catalog id, local model folder, hub id org/name[@revision], or a model's shape with random weights shape:NAME|shape:path/to/config.json")],
     variants: Annotated[Optional[str], typer.Option(help="comma-separated variant names or methods (awq,gptq)")] = None,
     catalog: CatalogOpt = None,
     warehouse: WarehouseOpt = None,
@@ -96,6 +97,9 @@ def run(
     if fmt != "table":
         _print_frame(verdicts, fmt)
         return
+    if card and card[0]["random_weights"]:
+        console.print(f"{card[0]['model_id']}: {RANDOM_WEIGHTS}; its speed, memory and time are the model's",
+                      highlight=False)
     _print_rows(verdicts, ["variant", "decision", "deciding_check", "size", "speedup"], width=TABLE_WIDTH)
     if card:
         model_id = card[0]["model_id"]
@@ -154,7 +158,7 @@ def checks(
 
 @app.command()
 def pull(
-    model: Annotated[str, typer.Argument(help="catalog id, local model folder, or hub id org/name[@revision]")],
+    model: Annotated[str, typer.Argument(help="catalog id, local model folder, hub id org/name[@revision], or a model's shape with random weights shape:NAME|shape:path/to/config.json")],
     catalog: CatalogOpt = None,
     workdir: WorkdirOpt = None,
 ) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.load import Catalog
 from quantgate.catalog.models import ModelSpec
-from quantgate.catalog.sources import GgufSource, HubSource, LocalSource
+from quantgate.catalog.sources import GgufSource, HubSource, LocalSource, ShapeSource
 from quantgate.tasks.steps import download
 
 INPUT_LIBS = ("quantgate", "llmcompressor", "compressed-tensors", "transformers", "lm_eval", "torch", "bitsandbytes")
@@ -77,6 +77,11 @@ def current_sha(spec: ModelSpec, work_root: Path, *, offline: bool | None = None
     if isinstance(src, GgufSource):
         try:
             return download.gguf_sha(spec.id, src, cache_dir)
+        except download.DownloadError as e:
+            raise ShaUnavailable(str(e)) from None
+    if isinstance(src, ShapeSource):
+        try:
+            return download.shape_sha(spec.id, src)
         except download.DownloadError as e:
             raise ShaUnavailable(str(e)) from None
     assert isinstance(src, HubSource)

@@ -11,6 +11,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from quantgate.catalog.records import RANDOM_WEIGHTS
 from quantgate.warehouse import store
 
 ACCEPT, REJECT, INCONCLUSIVE, BASE, GRID = "#2e7d32", "#c62828", "#f9a825", "#607d8b", "#e0e0e0"
@@ -142,14 +143,18 @@ def _scorecard(card: list[dict], checks: dict[tuple[str, str], list[dict]]) -> s
         found = checks.get((r["run_id"], r["variant_uid"]), [])
         cells = [f"<td class='decision'>{escape(r['decision'])}</td>",
                  f"<td class='deciding'>{escape(_deciding(r, found))}</td>",
-                 *(f"<td class='{c}'>{escape(_fmt(r.get(c)))}</td>" for c in ("model_id", "variant")),
+                 f"<td class='model_id'>{escape(_fmt(r['model_id']))}{' (shape run, random weights)' if r.get('random_weights') else ''}</td>",
+                 f"<td class='variant'>{escape(_fmt(r['variant']))}</td>",
                  f"<td class='build'>{escape(_build(r))}</td>",
                  *(f"<td class='num'>{escape(_fmt(r.get(c)))}</td>"
                    for c in ("size_ratio", "quality_recovery", "quality_lower_bound", "speedup")),
                  f"<td class='details'>{_details(r, found)}</td>"]
         body.append(f"<tr class='{escape(r['decision'])}'>{''.join(cells)}</tr>")
+    shapes = sorted({r["model_id"] for r in card if r.get("random_weights")})
+    shape_note = "".join(f"<p class='note shape-run'>{escape(m)}: a shape run with random weights: {escape(RANDOM_WEIGHTS)};"
+                         " its speed, memory and time are the model's.</p>" for m in shapes)
     return ("<h2>Scorecard</h2><p>Latest run of each model; the verdict and the check that decided it first, "
-            "the full reason under <em>why</em>.</p>"
+            "the full reason under <em>why</em>.</p>" + shape_note +
             f"<table class='scorecard'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
 
 

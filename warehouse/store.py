@@ -509,7 +509,9 @@ def decision_evidence(con, run_id: str, gated: Sequence[tuple[str, str]]) -> Dec
     def view(name: str) -> list[dict[str, Any]]:
         return rows(con, f"SELECT * FROM {name} WHERE run_id = ?", [run_id])
 
-    variants = rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
+    # The model's random_weights beside each variant: a run on a model's shape measures no quality.
+    variants = rows(con, "SELECT v.*, coalesce(m.random_weights, false) AS random_weights FROM variants v"
+                         " JOIN run_variants rv USING (variant_uid) JOIN models m USING (model_uid)"
                          " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
     return DecisionEvidence(variants, view("variant_recovery"), view("variant_speedup"),
                             paired_samples(con, run_id, list(gated)), view("variant_flips"), view("variant_serving"),
@@ -580,8 +582,8 @@ def completed_stages(con, run_id: str) -> dict[tuple[str, str], str | None]:
 
 
 def model_of(con, model_uid: str) -> ModelArtifact | None:
-    row = con.execute("SELECT model_id, path, source, revision, sha, architecture, num_parameters, size_bytes"
-                      " FROM models WHERE model_uid = ?", [model_uid]).fetchone()
+    row = con.execute("SELECT model_id, path, source, revision, sha, architecture, num_parameters, size_bytes,"
+                      " coalesce(random_weights, false) FROM models WHERE model_uid = ?", [model_uid]).fetchone()
     return None if row is None else ModelArtifact(*row)
 
 
@@ -603,7 +605,7 @@ def record_model(con, run_id: str, model: ModelArtifact) -> None:
         _insert_new(con, "models", {"model_uid": model.uid}, {
             "model_id": model.model_id, "source": model.source, "revision": model.revision, "sha": model.sha,
             "path": model.path, "architecture": model.architecture, "num_parameters": model.num_parameters,
-            "size_bytes": model.size_bytes, "first_run_id": run_id})
+            "size_bytes": model.size_bytes, "random_weights": model.random_weights, "first_run_id": run_id})
 
 
 def record_variant(con, run_id: str, v: VariantArtifact, role: str) -> None:

@@ -15,48 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from quantgate.catalog.errors import QuantgateError
+# The published shapes live in the catalog (a source may name one, and the catalog imports no other room);
+# the GPU suite and the tests take them from here, beside the writer.
+from quantgate.catalog.shapes import QWEN25_7B_INSTRUCT as QWEN25_7B_INSTRUCT, SHAPES as SHAPES
 
 if TYPE_CHECKING:
     import torch
-
-# Qwen/Qwen2.5-7B-Instruct config.json and generation_config.json, as published.
-QWEN25_7B_INSTRUCT: dict = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "hidden_act": "silu",
-    "hidden_size": 3584,
-    "initializer_range": 0.02,
-    "intermediate_size": 18944,
-    "max_position_embeddings": 32768,
-    "max_window_layers": 28,
-    "model_type": "qwen2",
-    "num_attention_heads": 28,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000.0,
-    "sliding_window": 131072,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.1",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 152064,
-}
-
-QWEN25_7B_INSTRUCT_GENERATION: dict = {
-    "bos_token_id": 151643,
-    "pad_token_id": 151643,
-    "do_sample": True,
-    "eos_token_id": [151645, 151643],
-    "repetition_penalty": 1.05,
-    "temperature": 0.7,
-    "top_p": 0.8,
-    "top_k": 20,
-    "transformers_version": "4.37.0",
-}
 
 MAX_SHARD_BYTES = 5 * 10**9
 IGNORE = ("lm_head",)  # llm-compressor's usual W4A16 recipe keeps the output head in 16 bits
@@ -170,9 +134,6 @@ def write_dummy_checkpoint(
         weight_bytes=sum(t.nbytes for t in plan),
         shards=shards,
     )
-
-
-SHAPES: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT}
 
 
 def layout(

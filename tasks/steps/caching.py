@@ -33,7 +33,7 @@ from prefect.states import State
 from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.paths import CATALOG_DIR
 from quantgate.catalog.records import CalibrationSamples, ModelArtifact, VariantArtifact
-from quantgate.catalog.sources import GgufSource, HubSource, LocalSource
+from quantgate.catalog.sources import GgufSource, HubSource, LocalSource, ShapeSource
 from quantgate.catalog.suites import SuiteSpec
 from quantgate.catalog.variants import CalibrationSpec, VariantSpec
 from quantgate.tasks.runtime.files import write_atomic
@@ -74,6 +74,13 @@ def download_key(spec: ModelSpec, cache_dir: Path) -> str | None:
         except download.DownloadError:
             return None
         ident = {"gguf": sha, "libs": {k: v for k, v in quantize.lib_versions().items() if k == "transformers"}}
+    elif isinstance(src, ShapeSource):
+        try:
+            sha = download.shape_sha(spec.id, src)
+        except download.DownloadError:
+            return None
+        # transformers writes the tokenizer and lays out the tensors.
+        ident = {"shape": sha, "libs": {k: v for k, v in quantize.lib_versions().items() if k == "transformers"}}
     else:
         return None
     return f"download-{_digest({'model': spec.id, 'record': record_identity(ModelArtifact), **ident})[:32]}"

@@ -10,7 +10,7 @@ from typing import Any
 from prefect import task
 
 from quantgate.catalog.policy import Policy, QualityGate
-from quantgate.catalog.records import CheckOutcome, Decision, DecisionCheck, Verdict
+from quantgate.catalog.records import RANDOM_WEIGHTS, CheckOutcome, Decision, DecisionCheck, Verdict
 from quantgate.tasks.steps.quality_stats import (
     QualityStatsError, RecoveryInterval, delta_interval, items_to_decide, sample_interval, z_score,
 )
@@ -68,6 +68,13 @@ def _uninformative(name: str, gate: QualityGate, row: dict[str, Any], margin: tu
               "recovery": row["recovery"], "variant_value": row["variant_value"], "base_value": row["base_value"],
               "filter": row["filter"]}
     return DecisionCheck(**about, outcome="uninformative", note=note, items=row.get("n_samples"), detail=detail)
+
+
+def _random_weights(gate: QualityGate) -> DecisionCheck:
+    """A quality gate of a model with random weights: whatever its scores, it neither passes nor fails."""
+    name = f"{gate.task}/{gate.metric}"
+    return DecisionCheck("quality", name, "uninformative", f"{name} uninformative: {RANDOM_WEIGHTS}", task=gate.task,
+                         metric=gate.metric, threshold=gate.min_recovery, detail={"random_weights": True})
 
 
 def _quality_outcome(policy: Policy, point: float, ci: RecoveryInterval | None, threshold: float) -> CheckOutcome:
@@ -252,15 +259,16 @@ def _size_check(policy: Policy, size_bytes: int | None, base_size_bytes: int | N
                          value=ratio, threshold=policy.max_size_ratio)
 
 
-def _no_informative_gate(quality: Sequence[DecisionCheck]) -> DecisionCheck | None:
-    """An inconclusive check when every quality gate the base could be measured on is at chance for it: the
-    verdict cannot rest on quality, and says so (a size or speed failure still rejects)."""
+def _no_informative_gate(quality: Sequence[DecisionCheck], random_weights: bool = False) -> DecisionCheck | None:
+    """An inconclusive check when every quality gate the base could be measured on is at chance for it, or the
+    weights are random: the verdict cannot rest on quality, and says so (a size or speed failure still rejects)."""
     uninformative = [c.name for c in quality if c.outcome == "uninformative"]
     if not uninformative or any(c.outcome not in ("uninformative", "not_measured") for c in quality):
         return None
-    return DecisionCheck("quality", "no informative quality gate", "inconclusive",
-                         f"no informative quality gate ({', '.join(uninformative)} at chance for the base):"
-                         " quality cannot be judged on this suite")
+    why = (f"{RANDOM_WEIGHTS} ({', '.join(uninformative)})" if random_weights else
+           f"no informative quality gate ({', '.join(uninformative)} at chance for the base):"
+           " quality cannot be judged on this suite")
+    return DecisionCheck("quality", "no informative quality gate", "inconclusive", why)
 
 
 def verdict_of(checks: Sequence[DecisionCheck]) -> Verdict:
@@ -282,15 +290,18 @@ def decide(
 ) -> Decision:
     """`variant` is a row of `variants`; `recovery`, `speed`, `samples`, `flips`, `serving` and `formats` are its
     rows of the views `variant_recovery`, `variant_speedup`, `variant_paired_samples`, `variant_flips`,
-    `variant_serving` and `variant_answer_format`."""
+    `variant_serving` and `variant_answer_format`. A variant row whose `random_weights` is true (its model's, a run
+    on the model's shape) has every quality gate uninformative: its speed, serving and size checks decide as usual."""
     uid = variant["variant_uid"]
     if variant["status"] != "built":
         # A skipped variant (its backend cannot run where the flow ran) was never measured: not accepted.
         what = "not built (skipped)" if variant.get("skipped") else "build failed"
         return Decision(uid, "reject", f"reject: {what}: {variant['error']}",
                         [DecisionCheck("build", "build", "fail", variant["error"] or what)], policy.hash, None, None, None)
-    quality = [_quality_check(policy, gate, recovery, samples, flips, formats) for gate in policy.quality]
-    if (blind := _no_informative_gate(quality)) is not None:
+    random_weights = bool(variant.get("random_weights"))
+    quality = [_random_weights(gate) if random_weights else _quality_check(policy, gate, recovery, samples, flips, formats)
+               for gate in policy.quality]
+    if (blind := _no_informative_gate(quality, random_weights)) is not None:
         quality.append(blind)
     speed_check = _speed_check(policy, speed)
     size_check = _size_check(policy, variant.get("size_bytes"), base_size_bytes)

@@ -1,7 +1,9 @@
-"""Put a catalog model on local disk: a hub snapshot, a local folder, or a GGUF file dequantized once.
+"""Put a catalog model on local disk: a hub snapshot, a local folder, a GGUF file dequantized once, or a model's
+shape written once with random weights.
 
 Every model comes back as a folder transformers can load, identified by the hub commit sha or by a
-content hash (local folder: its model files; GGUF: the .gguf file's, with the converter version and dtype).
+content hash (local folder: its model files; GGUF: the .gguf file's, with the converter version and dtype; shape:
+its config, the seed and the writer's version).
 A GGUF comes from a folder, an installed package, or wheels on the package registry (tasks/adapters/gguf_parts.py).
 """
 
@@ -24,8 +26,10 @@ from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.records import ModelArtifact
 from quantgate.catalog.settings import settings
-from quantgate.catalog.sources import GgufParts, GgufSource, HubSource, LocalSource
+from quantgate.catalog.sources import GgufParts, GgufSource, HubSource, LocalSource, ShapeSource, shape_config
+from quantgate.catalog.shapes import GENERATION
 from quantgate.tasks.adapters import gguf_parts
+from quantgate.tasks.adapters.dummy_weights import DummyWeightsError, write_dummy_checkpoint
 from quantgate.tasks.runtime import faults
 from quantgate.tasks.runtime.files import write_atomic
 
@@ -44,6 +48,10 @@ _CHUNK = 8 << 20
 # Version of the GGUF conversion, part of a GGUF checkpoint's identity: 2 stores the source's dtype (bf16 by
 # default, float32 before) and ties the embeddings only where the file does.
 GGUF_CONVERTER = 2
+# A shape's random weights: the seed, and the writer's version (part of the checkpoint's identity, like the
+# converter's: a change to how dummy_weights draws values must not reuse checkpoints drawn the old way).
+SHAPE_SEED = 0
+SHAPE_WRITER = 1
 
 
 class DownloadError(QuantgateError, RuntimeError):
@@ -65,6 +73,9 @@ def fetch_model(
         revision: str | None = src.revision
     elif isinstance(src, LocalSource):
         path, sha = _fetch_local(spec.id, Path(src.path), cache_dir)
+        revision = None
+    elif isinstance(src, ShapeSource):
+        path, sha = _fetch_shape(spec.id, src, cache_dir)
         revision = None
     else:
         path, sha = _fetch_gguf(spec.id, src, cache_dir)
@@ -424,6 +435,50 @@ def _has_output_matrix(gguf: Path) -> bool:
     return any(t.name == "output.weight" for t in GGUFReader(gguf).tensors)
 
 
+# --- a model's shape, random weights ------------------------------------------------------------
+
+
+def _shape_config(model_id: str, src: ShapeSource) -> dict:
+    try:
+        return shape_config(src)
+    except QuantgateError as e:  # a config file gone or changed since the catalog was loaded
+        raise DownloadError(f"{model_id}: {e}") from None
+
+
+def shape_sha(model_id: str, src: ShapeSource) -> str:
+    """The identity of `src`'s random-weights checkpoint, known before writing it: the config, the seed and the
+    writer's version. The weights are drawn on the CPU whatever the host has, so one identity is one content."""
+    ident = {"shape": _shape_config(model_id, src), "seed": SHAPE_SEED, "writer": SHAPE_WRITER}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _fetch_shape(model_id: str, src: ShapeSource, cache_dir: Path) -> tuple[Path, str]:
+    sha = shape_sha(model_id, src)
+    out = cache_dir / "shapes" / f"{src.name}-{sha[:12]}"
+    if out.is_dir():
+        return out, sha
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        started = time.perf_counter()
+        try:
+            # CPU, not the GPU: the CUDA generator draws other values from the same seed.
+            write_dummy_checkpoint(tmp, _shape_config(model_id, src), generation_config=GENERATION.get(src.shape or ""),
+                                   seed=SHAPE_SEED, device="cpu")
+        except DummyWeightsError as e:
+            raise DownloadError(f"{model_id}: shape {src.name}: {e}") from None
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not out.is_dir():  # otherwise a concurrent run wrote the same checkpoint first
+                raise
+        log.info("%s: wrote shape %s with random weights to %s in %.1fs", model_id, src.name, out,
+                 time.perf_counter() - started)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out, sha
+
+
 # --- description -------------------------------------------------------------------------------
 
 
@@ -444,6 +499,7 @@ def _describe(spec: ModelSpec, kind: str, path: Path, revision: str | None, sha:
         architecture=architecture,
         num_parameters=count_parameters(weights, tied=bool(config.get("tie_word_embeddings"))),
         size_bytes=sum(w.stat().st_size for w in weights),
+        random_weights=kind == "shape",
     )
 
 

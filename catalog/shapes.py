@@ -1,0 +1,59 @@
+"""Published model shapes: the config.json (and generation_config.json) of released models, as their authors
+published them, for runs on a model's shape with random weights (a `kind: shape` source, the GPU suite)."""
+
+from __future__ import annotations
+
+# Qwen/Qwen2.5-7B-Instruct config.json and generation_config.json, as published.
+QWEN25_7B_INSTRUCT: dict = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 28,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+
+QWEN25_7B_INSTRUCT_GENERATION: dict = {
+    "bos_token_id": 151643,
+    "pad_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "repetition_penalty": 1.05,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "transformers_version": "4.37.0",
+}
+
+# Qwen/Qwen2.5-14B-Instruct config.json, as published (its generation_config.json is the 7B's).
+QWEN25_14B_INSTRUCT: dict = {
+    **QWEN25_7B_INSTRUCT,
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "max_window_layers": 70,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 8,
+}
+
+SHAPES: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT, "qwen2.5-14b-instruct": QWEN25_14B_INSTRUCT}
+# Each shape's generation_config.json, where its authors published one.
+GENERATION: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT_GENERATION,
+                               "qwen2.5-14b-instruct": QWEN25_7B_INSTRUCT_GENERATION}
