@@ -1,0 +1,160 @@
+"""A run on a model's shape: a `shape` source (a published config by name, or a local config.json) is written once
+with random weights, evaluated, quantized and timed like any model; the warehouse, the verdicts and the report say
+its weights were random, and every quality gate is uninformative.
+
+Real catalog loading, dummy_weights writer, `quantgate run` subprocess, Prefect, llm-compressor, lm-eval,
+Transformers and DuckDB, on a tiny Qwen2 shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from quantgate.catalog.errors import CatalogError
+from quantgate.catalog.load import load_catalog
+from quantgate.catalog.records import RANDOM_WEIGHTS
+from quantgate.catalog.selection import adhoc_model
+from quantgate.catalog.shapes import SHAPES
+from quantgate.tasks.adapters.dummy_weights import layout
+from quantgate.tasks.steps.download import fetch_model
+from quantgate.warehouse import store
+from tests.cli_runs import run_cli, tiny_catalog
+
+# 2 layers of hidden 64; a vocabulary of 320 holds the tokenizer's 256 byte symbols, its two special tokens (at
+# bos and eos) and 62 word tokens.
+TINY_SHAPE = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "bos_token_id": 318, "eos_token_id": 319, "torch_dtype": "bfloat16",
+}
+
+
+def shape_config(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_SHAPE))
+    return folder / "config.json"
+
+
+def catalog_with(tmp_path: Path, source: str) -> Path:
+    """A catalog of one model whose source is `source` (inline YAML)."""
+    path = tmp_path / "catalog.yaml"
+    path.write_text(f"""version: 1
+variants:
+  int8-w8a16: {{method: rtn, scheme: W8A16, group_size: null}}
+suites:
+  stories:
+    tasks: [{{name: qg_simple_stories, limit: 2}}]
+models:
+  - id: tiny-shape
+    source: {source}
+    variants: [int8-w8a16]
+    suite: stories
+policy:
+  version: 1
+  quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.95, higher_is_better: false}}]
+""")
+    return path
+
+
+def one_line_error(catalog: Path) -> str:
+    with pytest.raises(CatalogError) as e:
+        load_catalog(catalog)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_shape_source_names_a_published_shape_or_a_config_relative_to_the_catalog(tmp_path):
+    cat = load_catalog(catalog_with(tmp_path, "{kind: shape, shape: qwen2.5-14b-instruct}"))
+    assert cat.models[0].source.shape == "qwen2.5-14b-instruct"
+    config = shape_config(tmp_path / "tiny-qwen2")
+    cat = load_catalog(catalog_with(tmp_path, "{kind: shape, config: tiny-qwen2/config.json}"))
+    assert cat.models[0].source.config == str(config) and cat.models[0].source.name == "tiny-qwen2"
+
+
+def test_qwen25_14b_instruct_has_its_published_size():
+    # 14.7B parameters as published (5120 hidden, 48 layers, untied 152064-token embeddings and head).
+    params = sum(math.prod(shape) for shape, _ in layout(SHAPES["qwen2.5-14b-instruct"]).values())
+    assert 14.6e9 < params < 14.9e9
+
+
+@pytest.mark.parametrize(("source", "says"), [
+    ("{kind: shape, shape: qwen9-1t}", "models.0.source.shape: unknown shape 'qwen9-1t': known shapes are"
+                                       " ['qwen2.5-14b-instruct', 'qwen2.5-7b-instruct']"),
+    ("{kind: shape}", "needs exactly one of 'shape'"),
+    ("{kind: shape, shape: qwen2.5-7b-instruct, config: x.json}", "needs exactly one of 'shape'"),
+    ("{kind: shape, config: missing/config.json}", "models.0.source: shape config"),
+])
+def test_a_bad_shape_source_is_one_line(tmp_path, source, says):
+    assert says in one_line_error(catalog_with(tmp_path, source))
+
+
+def test_a_config_that_is_no_model_config_is_one_line(tmp_path):
+    (tmp_path / "broken.json").write_text("{not json")
+    assert "not valid JSON" in one_line_error(catalog_with(tmp_path, "{kind: shape, config: broken.json}"))
+    (tmp_path / "other.json").write_text(json.dumps({"vocab_size": 320}))
+    assert "no 'model_type'" in one_line_error(catalog_with(tmp_path, "{kind: shape, config: other.json}"))
+
+
+def test_the_command_line_spells_a_shape_shape_colon(tmp_path):
+    cat = load_catalog(catalog_with(tmp_path, "{kind: shape, shape: qwen2.5-7b-instruct}"))
+    named = adhoc_model(cat, "shape:qwen2.5-14b-instruct")
+    assert (named.id, named.source.kind, named.source.shape) == ("shape/qwen2.5-14b-instruct", "shape",
+                                                                  "qwen2.5-14b-instruct")
+    config = shape_config(tmp_path / "tiny-qwen2")
+    for ref in (f"shape:{config}", f"shape:{config.parent}"):  # the file, or the folder holding it
+        by_path = adhoc_model(cat, ref)
+        assert (by_path.id, by_path.source.config) == ("shape/tiny-qwen2", str(config.parent if ref.endswith("2")
+                                                                                 else config))
+    with pytest.raises(CatalogError, match=r"^shape:qwen9: unknown shape 'qwen9': known shapes are .*config\.json\)$"):
+        adhoc_model(cat, "shape:qwen9")
+
+
+def test_the_checkpoint_is_random_deterministic_and_written_once(tmp_path):
+    shape_config(tmp_path / "tiny-qwen2")
+    spec = load_catalog(catalog_with(tmp_path, "{kind: shape, config: tiny-qwen2}")).models[0]
+    first = fetch_model(spec, tmp_path / "a")
+    weights = Path(first.path) / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    again = fetch_model(spec, tmp_path / "a")
+    elsewhere = fetch_model(spec, tmp_path / "b")
+    assert (first.source, first.random_weights, first.architecture) == ("shape", True, "Qwen2ForCausalLM")
+    assert again == first and weights.stat().st_mtime_ns == written  # reused, not written again
+    assert elsewhere.sha == first.sha and (Path(elsewhere.path) / "model.safetensors").read_bytes() == weights.read_bytes()
+    assert first.num_parameters == sum(math.prod(s) for s, _ in layout(TINY_SHAPE).values())
+
+
+@pytest.mark.slow
+def test_a_shape_run_measures_speed_and_says_quality_is_not_measured(tmp_path, prefect_api):
+    config = shape_config(tmp_path / "tiny-qwen2")
+    cat = tiny_catalog(tmp_path, config, {"int8-w8a16": "{method: rtn, scheme: W8A16, group_size: null}"}, limit=2)
+    cat.write_text(cat.read_text().replace("{kind: local, path:", "{kind: shape, config:"))
+    wh = tmp_path / "w.ducklake"
+    result = run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(tmp_path / "work")], prefect_api)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The verdict table says it, one line above it.
+    assert f"tiny: {RANDOM_WEIGHTS}; its speed, memory and time are the model's" in result.stdout
+    with store.session(wh, read_only=True) as con:
+        assert con.execute("SELECT source, random_weights FROM models").fetchall() == [("shape", True)]
+        card = store.rows(con, "SELECT variant, decision, reason, random_weights, speedup FROM variant_scorecard")
+        assert [(c["variant"], c["decision"], c["random_weights"]) for c in card] == [("int8-w8a16", "inconclusive", True)]
+        assert RANDOM_WEIGHTS in card[0]["reason"]
+        # The quality suite ran on both checkpoints (its time is part of the cost), and decided nothing.
+        evaluated = con.execute("SELECT count(DISTINCT variant_uid) FROM quality_results"
+                                " WHERE task = 'qg_simple_stories'").fetchone()[0]
+        assert evaluated == 2
+        quality = store.rows(con, "SELECT name, outcome, note FROM decision_checks WHERE kind = 'quality'")
+        assert {(q["name"], q["outcome"]) for q in quality} == {
+            ("qg_simple_stories/bits_per_byte", "uninformative"), ("no informative quality gate", "inconclusive")}
+        assert all(RANDOM_WEIGHTS in q["note"] for q in quality)
+        # Speed decides as usual, on real timings of both checkpoints.
+        speed = store.rows(con, "SELECT outcome, value FROM decision_checks WHERE kind = 'speed'")
+        assert speed[0]["outcome"] == "pass" and speed[0]["value"] == card[0]["speedup"] > 0
+    report = run_cli(["report", "-w", str(wh), "--out", str(tmp_path / "report.html")])
+    assert report.returncode == 0, report.stderr
+    html = (tmp_path / "report.html").read_text()
+    assert "tiny (shape run, random weights)" in html and "tiny: a shape run with random weights" in html
