@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect.settings import PREFECT_WORKER_PREFETCH_SECONDS
 
 from quantgate.warehouse import store
 from tests import postgres, prefect_server
@@ -118,7 +119,8 @@ def test_a_schedule_due_within_the_minute_runs_on_a_worker_to_completed_with_its
             assert len(mine) == 1 and mine[0].auto_scheduled and mine[0].parameters["model"] == "stories260k"
             final = wait_final(c, [mine[0].id], timeout_s=600)[str(mine[0].id)]
         assert final.state.is_completed(), (final.state, (tmp_path / "worker.log").read_text()[-3000:])
-        assert final.start_time >= due
+        # A worker takes a run up to its prefetch window (Prefect's default 10 s) before it is due.
+        assert final.start_time >= due - timedelta(seconds=PREFECT_WORKER_PREFETCH_SECONDS.value())
         with store.session(warehouse, read_only=True) as con:
             rows = store.rows(con, "SELECT r.model_id, r.status FROM runs r JOIN run_attempts a USING (run_id)"
                                    " WHERE a.attempt_id = ?", [str(final.id)])
