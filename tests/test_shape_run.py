@@ -24,10 +24,11 @@ from quantgate.tasks.steps.download import fetch_model
 from quantgate.warehouse import store
 from tests.cli_runs import run_cli, tiny_catalog
 
-# 2 layers of hidden 64; a vocabulary of 320 holds the tokenizer's 256 byte symbols, its two special tokens (at
-# bos and eos) and 62 word tokens.
+# 2 layers of hidden 128; a vocabulary of 320 holds the tokenizer's 256 byte symbols, its two special tokens (at
+# bos and eos) and 62 word tokens. The layers outweigh the embeddings (which builds keep in 16 bits), so a W8A16
+# build is smaller than the base, as a real model's is.
 TINY_SHAPE = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128, "intermediate_size": 512,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
     "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
     "bos_token_id": 318, "eos_token_id": 319, "torch_dtype": "bfloat16",
