@@ -16,10 +16,12 @@ import pytest
 
 from quantgate.catalog.errors import CatalogError
 from quantgate.catalog.load import load_catalog
+from quantgate.catalog.policy import Policy
 from quantgate.catalog.records import RANDOM_WEIGHTS
 from quantgate.catalog.selection import adhoc_model
 from quantgate.catalog.shapes import SHAPES
 from quantgate.tasks.adapters.dummy_weights import layout
+from quantgate.tasks.steps.decide import decide
 from quantgate.tasks.steps.download import fetch_model
 from quantgate.warehouse import store
 from tests.cli_runs import run_cli, tiny_catalog
@@ -127,6 +129,34 @@ def test_the_checkpoint_is_random_deterministic_and_written_once(tmp_path):
     assert again == first and weights.stat().st_mtime_ns == written  # reused, not written again
     assert elsewhere.sha == first.sha and (Path(elsewhere.path) / "model.safetensors").read_bytes() == weights.read_bytes()
     assert first.num_parameters == sum(math.prod(s) for s, _ in layout(TINY_SHAPE).values())
+
+
+POLICY = Policy.model_validate({
+    "version": 1,
+    "quality": [{"task": "ppl", "metric": "word_perplexity", "min_recovery": 0.95, "higher_is_better": False},
+                {"task": "qg_gsm8k", "metric": "exact_match", "min_recovery": 0.9, "higher_is_better": True}],  # required, never measured
+    "speed": {"engine": "vllm", "scenario": "thr", "min_speedup": 1.0},
+    "max_size_ratio": 0.75,
+})
+# A recovery far under the gate: on a real model it would reject.
+LOST = [{"task": "ppl", "metric": "word_perplexity", "filter": "none", "recovery": 0.4, "variant_value": 7.5,
+         "base_value": 3.0, "variant_stderr": 0.001, "base_stderr": 0.001}]
+
+
+@pytest.mark.parametrize(("speedup", "decision"), [(1.4, "inconclusive"), (0.8, "reject")])
+def test_random_weights_make_every_quality_gate_uninformative_and_speed_decides(speedup, decision):
+    variant = {"variant_uid": "v", "status": "built", "error": None, "size_bytes": 30, "random_weights": True}
+    speed = [{"engine": "vllm", "scenario": "thr", "status": "ok", "speedup": speedup, "reason": None}]
+    d = decide(variant, 100, LOST, speed, POLICY)
+    quality = [c for c in d.checks if c.kind == "quality"]
+    assert [(c.name, c.outcome) for c in quality] == [
+        ("ppl/word_perplexity", "uninformative"), ("qg_gsm8k/exact_match", "uninformative"),
+        ("no informative quality gate", "inconclusive")]
+    assert all(RANDOM_WEIGHTS in c.note for c in quality)
+    assert d.decision == decision and RANDOM_WEIGHTS in d.reason
+    # The same rows of a real model: the lost recovery and the unmeasured required gate fail it.
+    real = decide({**variant, "random_weights": False}, 100, LOST, speed, POLICY)
+    assert real.decision == "reject" and {c.outcome for c in real.checks if c.kind == "quality"} == {"fail"}
 
 
 @pytest.mark.slow
