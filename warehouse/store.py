@@ -511,7 +511,7 @@ def decision_evidence(con, run_id: str, gated: Sequence[tuple[str, str]]) -> Dec
 
     # The model's random_weights beside each variant: a run on a model's shape measures no quality.
     variants = rows(con, "SELECT v.*, coalesce(m.random_weights, false) AS random_weights FROM variants v"
-                         " JOIN run_variants rv USING (variant_uid) JOIN models m USING (model_uid)"
+                         " JOIN run_variants rv USING (variant_uid) LEFT JOIN models m USING (model_uid)"
                          " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
     return DecisionEvidence(variants, view("variant_recovery"), view("variant_speedup"),
                             paired_samples(con, run_id, list(gated)), view("variant_flips"), view("variant_serving"),

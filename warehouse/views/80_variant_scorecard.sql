@@ -45,7 +45,7 @@ SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
 FROM latest_runs r
 JOIN run_variants rv ON rv.run_id = r.run_id AND rv.role = 'variant'
 JOIN variants v ON v.variant_uid = rv.variant_uid
-JOIN models mo ON mo.model_uid = v.model_uid
+LEFT JOIN models mo ON mo.model_uid = v.model_uid
 LEFT JOIN decisions d ON d.run_id = r.run_id AND d.variant_uid = rv.variant_uid
 LEFT JOIN variant_worst_flip f ON f.run_id = r.run_id AND f.variant_uid = rv.variant_uid
 LEFT JOIN variant_kl k ON k.run_id = r.run_id AND k.variant_uid = rv.variant_uid
