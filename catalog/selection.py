@@ -49,8 +49,8 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
         model_id = repo
     else:
         raise CatalogError(
-            f"unknown model {ref!r}: not a catalog id ({[m.id for m in catalog.models]}), an existing folder, a hub id"
-            " 'org/name' or a shape 'shape:NAME'"
+            f"unknown model {ref!r}: not a catalog id ({[m.id for m in catalog.models]}), an existing folder, or a hub id"
+            " 'org/name' (or a model's shape 'shape:NAME')"
         )
     chosen = tuple(variants) if variants else base.variants
     for v in chosen:
