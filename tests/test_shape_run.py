@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -151,7 +152,7 @@ def test_random_weights_make_every_quality_gate_uninformative_and_speed_decides(
     quality = [c for c in d.checks if c.kind == "quality"]
     assert [(c.name, c.outcome) for c in quality] == [
         ("ppl/word_perplexity", "uninformative"), ("qg_gsm8k/exact_match", "uninformative"),
-        ("no informative quality gate", "inconclusive")]
+        ("random weights: quality not measured", "inconclusive")]
     assert all(RANDOM_WEIGHTS in c.note for c in quality)
     assert d.decision == decision and RANDOM_WEIGHTS in d.reason
     # The same rows of a real model: the lost recovery and the unmeasured required gate fail it.
@@ -167,8 +168,9 @@ def test_a_shape_run_measures_speed_and_says_quality_is_not_measured(tmp_path, p
     wh = tmp_path / "w.ducklake"
     result = run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(tmp_path / "work")], prefect_api)
     assert result.returncode == 0, result.stderr[-3000:]
-    # The verdict table says it, one line above it.
+    # The verdict table says it, one line above it and in the deciding check.
     assert f"tiny: {RANDOM_WEIGHTS}; its speed, memory and time are the model's" in result.stdout
+    assert re.search(r"int8-w8a16 +│ inconclusive +│ random weights: quality not measured", result.stdout)
     with store.session(wh, read_only=True) as con:
         assert con.execute("SELECT source, random_weights FROM models").fetchall() == [("shape", True)]
         card = store.rows(con, "SELECT variant, decision, reason, random_weights, speedup FROM variant_scorecard")
@@ -180,7 +182,7 @@ def test_a_shape_run_measures_speed_and_says_quality_is_not_measured(tmp_path, p
         assert evaluated == 2
         quality = store.rows(con, "SELECT name, outcome, note FROM decision_checks WHERE kind = 'quality'")
         assert {(q["name"], q["outcome"]) for q in quality} == {
-            ("qg_simple_stories/bits_per_byte", "uninformative"), ("no informative quality gate", "inconclusive")}
+            ("qg_simple_stories/bits_per_byte", "uninformative"), ("random weights: quality not measured", "inconclusive")}
         assert all(RANDOM_WEIGHTS in q["note"] for q in quality)
         # Speed decides as usual, on real timings of both checkpoints.
         speed = store.rows(con, "SELECT outcome, value FROM decision_checks WHERE kind = 'speed'")
