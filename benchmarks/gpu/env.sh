@@ -1,9 +1,10 @@
 # Sourced by the device scripts: the GPU lock's packages on the path (benchmarks/gpu/lock_kit.py), quantgate importable without installing,
 # offline flags, Prefect's ephemeral API, and a pid file through which servers are stopped by id.
 # Expects REPO and WORK to be set.
-DEVKIT="${DEVKIT_SITE:-/root/devkit-site}"
-if [ -d "$DEVKIT" ]; then
-    export PYTHONPATH="$DEVKIT${PYTHONPATH:+:$PYTHONPATH}" PATH="$DEVKIT/bin:$PATH"
+# The GPU lock's folder (lock_kit.py says why its path holds "site-packages").
+lock_site="${QG_LOCK_SITE:-/root/qg-lock/site-packages}"
+if [ -d "$lock_site" ]; then
+    export PYTHONPATH="$lock_site${PYTHONPATH:+:$PYTHONPATH}" PATH="$lock_site/bin:$PATH"
 fi
 # The package maps the repo's folders to quantgate.* (setuptools package-dir); a folder of links gives
 # the same imports without installing anything.

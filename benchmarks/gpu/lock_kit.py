@@ -10,7 +10,7 @@ torch (torch, torchvision, torchaudio, triton) and CUDA's libraries (nvidia-*, c
 benchmarks/gpu/device-image.txt (the image's `pip list --format=freeze`) holds at the locked version. A wheel larger
 than a part is cut into chunks. `install` moves a part's files out of the repository copy (so later calls on the
 same machine keep them), puts cut wheels together, checks every wheel's sha256, installs what is complete into
-/root/devkit-site (the folder benchmarks/gpu/env.sh puts first on the path) and, once every wheel is in, prints the
+/root/qg-lock/site-packages (the folder benchmarks/gpu/env.sh puts first on the path) and, once every wheel is in, prints the
 environment's drift from the lock: every locked package there at another version (the image's platform included),
 as `LOCK: drift ...` lines, and `LOCK: COMPLETE`."""
 
@@ -35,9 +35,12 @@ PLATFORM = ("torch", "torchvision", "torchaudio", "triton")
 PLATFORM_PREFIXES = ("nvidia-", "cuda-")
 SDIST_ONLY = ("rouge-score", "sqlitedict", "word2number")  # pure Python, sources only on the registry
 TAGS = [f"manylinux_2_{n}_x86_64" for n in range(5, 32)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
-# Outside the repository copy, so that later calls on the same machine keep them; env.sh reads DEVKIT_SITE too.
-STAGE = Path(os.environ.get("QG_LOCK_STAGE", "/root/lock-stage"))
-SITE = Path(os.environ.get("DEVKIT_SITE", "/root/devkit-site"))
+# Outside the repository copy, so that later calls on the same machine keep them; env.sh reads QG_LOCK_SITE too.
+# The folder's path must contain "site-packages": dill (datasets' fingerprints of lm-eval's tasks) pickles a module
+# by value unless its file is under sys.prefix, an extension module or in a path containing "site-packages", and
+# pyarrow pickled by value fails ("Can't pickle <class 'MonthDayNano'>"): seen on an H100 with /root/devkit-site.
+STAGE = Path(os.environ.get("QG_LOCK_STAGE", "/root/qg-lock/stage"))
+SITE = Path(os.environ.get("QG_LOCK_SITE", "/root/qg-lock/site-packages"))
 
 
 def carried(lock: dict[str, str], image: dict[str, str]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite as one command, on the device, after the GPU lock is installed (vLLM, Prefect, DuckDB
-# in /root/devkit-site). From the repository root:
+# in /root/qg-lock/site-packages). From the repository root:
 #
 #     bash benchmarks/gpu/run_suite.sh
 #

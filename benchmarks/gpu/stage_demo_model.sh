@@ -8,7 +8,7 @@
 set -euo pipefail
 part="$1"
 stage=/root/qg-stage
-site=/root/devkit-site
+site=/root/qg-lock/site-packages
 mkdir -p "$stage" "$site"
 cp "$part"/* "$stage"/
 # Whole wheels travel as they are (gguf; bitsandbytes in .gpu-carry/bnb, 41 MiB, a call of its own).
