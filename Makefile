@@ -10,10 +10,9 @@ UV      ?= $(if $(wildcard $(BIN)/uv),$(BIN)/uv,uv)
 COMPILE = $(UV) pip compile pyproject.toml --quiet --override requirements/overrides.txt --custom-compile-command "make lock"
 CPU_LOCK = $(COMPILE) --extra test --extra demo -c requirements/cpu-constraints.txt --find-links $(TORCH_CPU_WHEELS) \
            --python-version 3.11 --python-platform x86_64-manylinux_2_28
-# A GPU host's wheel tags: x86-64, glibc 2.31 (the GPU lock is compiled for x86_64-manylinux_2_31; llguidance needs 2.31).
-GPU_HOST_TAGS = $(foreach n,$(shell seq 5 31),--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 --platform manylinux1_x86_64
-# lm-eval's pure-Python requirements that the registry has as sources only.
-SDIST_ONLY = rouge-score,sqlitedict,word2number
+# A GPU host's wheel tags and the packages the registry has as sources only: benchmarks/gpu/lock_kit.py holds them,
+# for the device's install too.
+GPU_HOST_FLAGS = $(BIN)/python benchmarks/gpu/lock_kit.py pip-flags
 GPU_LOCK = $(COMPILE) --extra gpu -c requirements/gpu-constraints.txt --python-version 3.12 --python-platform x86_64-manylinux_2_31
 
 .PHONY: setup demo test gpu-test lock lock-check
@@ -44,8 +43,8 @@ lock-check: setup
 	@d=$$(mktemp -d) && cp requirements/cpu.txt requirements/gpu.txt $$d/ && \
 	$(CPU_LOCK) -o $$d/cpu.txt && $(GPU_LOCK) -o $$d/gpu.txt && \
 	diff -u requirements/cpu.txt $$d/cpu.txt && diff -u requirements/gpu.txt $$d/gpu.txt && \
-	$(BIN)/pip install -q --dry-run --ignore-installed --no-deps --only-binary=:all: --no-binary $(SDIST_ONLY) --target $$d/site \
-	    --python-version 3.12 --implementation cp $(GPU_HOST_TAGS) \
+	host=$$($(GPU_HOST_FLAGS)) && \
+	$(BIN)/pip install -q --dry-run --ignore-installed --no-deps --only-binary=:all: $$host --target $$d/site \
 	    -r requirements/gpu.txt && rm -rf $$d && echo "lock-check: both locks resolve as committed"
 
 gpu-test:

@@ -4,6 +4,7 @@ The device has no network and takes 64 MiB a call, so the lock's wheels travel i
 
     python benchmarks/gpu/lock_kit.py build                 # here: .lockkit/part01 ... (ignored by git)
     python3 benchmarks/gpu/lock_kit.py install .lockkit/partNN ...   # there: the parts of each call, back to back
+    python benchmarks/gpu/lock_kit.py pip-flags             # pip's flags for a GPU host's wheels (make lock-check)
 
 `build` takes every pin of the lock but the GPU host's platform, which its image already holds: the CUDA build of
 torch (torch, torchvision, torchaudio, triton) and CUDA's libraries (nvidia-*, cuda-*), and any package that
@@ -33,8 +34,11 @@ LOCK = REPO / "requirements/gpu.txt"
 IMAGE = Path(__file__).with_name("device-image.txt")
 PLATFORM = ("torch", "torchvision", "torchaudio", "triton")
 PLATFORM_PREFIXES = ("nvidia-", "cuda-")
-SDIST_ONLY = ("rouge-score", "sqlitedict", "word2number")  # pure Python, sources only on the registry
+# The one list of these, and of the tags below: `make lock-check` reads them through `pip-flags`.
+SDIST_ONLY = ("rouge-score", "sqlitedict", "word2number")  # lm-eval's pure Python, sources only on the registry
+# A GPU host's wheel tags: x86-64, glibc 2.31 (the GPU lock is compiled for x86_64-manylinux_2_31; llguidance needs it).
 TAGS = [f"manylinux_2_{n}_x86_64" for n in range(5, 32)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
+HOST = ["--python-version", "3.12", "--implementation", "cp", *(a for t in TAGS for a in ("--platform", t))]
 # Outside the repository copy, so that later calls on the same machine keep them; env.sh reads QG_LOCK_SITE too.
 # The folder's path must contain "site-packages": dill (datasets' fingerprints of lm-eval's tasks) pickles a module
 # by value unless its file is under sys.prefix, an extension module or in a path containing "site-packages", and
@@ -57,9 +61,8 @@ def build(out: Path, part_mib: int) -> None:
     pip = [sys.executable, "-m", "pip"]
     binary = [f"{n}=={v}" for n, v in wanted.items() if n not in SDIST_ONLY]
     sources = [f"{n}=={v}" for n, v in wanted.items() if n in SDIST_ONLY]
-    subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                    "--implementation", "cp", *(a for t in TAGS for a in ("--platform", t)), "-d", str(wheels),
-                    *binary], check=True)
+    subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", *HOST, "-d", str(wheels), *binary],
+                   check=True)
     if sources:
         subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(wheels), *sources], check=True)
     files = sorted((f for f in wheels.glob("*.whl") if canonical(f.name.split("-")[0]) in wanted),
@@ -161,8 +164,12 @@ def main() -> None:
     b.add_argument("--part-mib", type=int, default=50)
     i = sub.add_parser("install", help="on the device: the parts this call carries")
     i.add_argument("parts", type=Path, nargs="+")
+    sub.add_parser("pip-flags", help="pip's flags for the GPU host's wheels, the sources-only packages as sources")
     args = parser.parse_args()
-    build(args.out, args.part_mib) if args.command == "build" else install(args.parts)
+    if args.command == "pip-flags":
+        print(" ".join([*HOST, "--no-binary", ",".join(SDIST_ONLY)]))
+    else:
+        build(args.out, args.part_mib) if args.command == "build" else install(args.parts)
 
 
 if __name__ == "__main__":
