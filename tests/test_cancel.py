@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from tests import prefect_server
-from tests.test_deployment import Hosts, attempts, client, deployed, submit  # noqa: F401 - `deployed` is a fixture
+from tests.test_deployment import (  # noqa: F401 - `deployed` is a fixture
+    Hosts, attempts, client, deployed, submit, wait_paused)
 
 pytestmark = pytest.mark.slow
 
@@ -48,12 +49,8 @@ def test_a_run_cancelled_from_prefect_ends_cancelled_and_is_not_started_again(de
     hosts.start("host-x", QUANTGATE_FAULT="evaluate=pause", QUANTGATE_FAULT_PAUSED=str(paused))
     try:
         run_id = submit(deployed, model)
-        deadline = time.monotonic() + 300
-        while not paused.exists() and time.monotonic() < deadline:
-            time.sleep(1)
-        assert paused.exists(), hosts.logs()
+        pid = wait_paused(paused, hosts)
         hosts.start("host-y")
-        pid = int(paused.read_text().split()[1])
         started = [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
         [row] = attempts(deployed, "stories260k-b")
         assert (row["run_id"], row["run_status"], row["status"], row["host"]) == (run_id, "running", "running",
@@ -128,11 +125,7 @@ def test_a_worker_told_sigterm_mid_run_is_gone_within_10_s_and_takes_its_run_wit
     worker = hosts.workers["host-s"]
     try:
         run_id = submit(deployed, str(deployed["models"]["stories260k-c"]))
-        deadline = time.monotonic() + 300
-        while not paused.exists() and time.monotonic() < deadline:
-            time.sleep(1)
-        assert paused.exists(), hosts.logs()
-        pid = int(paused.read_text().split()[1])
+        pid = wait_paused(paused, hosts)
         told = time.monotonic()
         os.kill(worker.pid, signal.SIGTERM)
         try:

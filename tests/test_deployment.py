@@ -163,6 +163,16 @@ class Hosts:
             self.stop(host)
 
 
+def wait_paused(paused: Path, hosts: Hosts, timeout_s: float = 300) -> int:
+    """The pid of the run paused at its fault point (QUANTGATE_FAULT=…=pause), once it has written `paused`; the
+    hosts' logs when it never does, since a run that failed before its fault point says why only there."""
+    deadline = time.monotonic() + timeout_s
+    while not paused.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert paused.exists(), hosts.logs()
+    return int(paused.read_text().split()[1])
+
+
 @pytest.fixture(scope="module")
 def hosts(deployed):
     hosts = Hosts(deployed)
@@ -319,11 +329,7 @@ def test_a_host_killed_mid_run_is_crashed_by_prefect_and_resumed_on_the_other(de
     hosts.stop("host-b")  # host-c alone takes the run
     hosts.start("host-c", QUANTGATE_FAULT="evaluate@2=pause", QUANTGATE_FAULT_PAUSED=str(paused))
     run_id = submit(deployed, str(deployed["models"]["stories260k-d"]))
-    deadline = time.monotonic() + 300
-    while not paused.exists() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert paused.exists(), hosts.logs()
-    pid = int(paused.read_text().split()[1])
+    pid = wait_paused(paused, hosts)
     hosts.kill("host-c", pid)
     killed_at = time.monotonic()
     hosts.start("host-b")
