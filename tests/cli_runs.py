@@ -12,6 +12,15 @@ from pathlib import Path
 from quantgate.warehouse import lake, store
 
 CLI = [sys.executable, "-m", "quantgate.flows.cli"]
+# How the small catalogs written by hand start: one build that needs no calibration (RTN W8A16) and a suite of two
+# simple_stories documents (bits per byte, scored without answers), so that a run of one takes seconds on a CPU.
+CATALOG_HEAD = """version: 1
+variants:
+  int8-w8a16: {method: rtn, scheme: W8A16, group_size: null}
+suites:
+  stories:
+    tasks: [{name: qg_simple_stories, limit: 2}]
+"""
 
 
 def run_cli(args: list[str], prefect_api: str | None = None, env: dict[str, str] | None = None,

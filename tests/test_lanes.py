@@ -5,7 +5,6 @@ engines run on the CPU); the device run is `benchmarks/gpu/run_reference.sh` wit
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from quantgate.flows.evaluate_model import evaluate_model
 from quantgate.tasks.runtime import launch
 from quantgate.warehouse import store
+from tests.cli_runs import CATALOG_HEAD
 from tests.shared_data import TINY_MODEL
 
 pytestmark = pytest.mark.slow
@@ -20,31 +20,24 @@ pytestmark = pytest.mark.slow
 
 def catalog(tmp: Path) -> Path:
     path = tmp / "catalog.yaml"
-    path.write_text(textwrap.dedent(f"""
-        version: 1
-        variants:
-          rtn-w8a16: {{method: rtn, scheme: W8A16, group_size: null}}
-        suites:
-          stories:
-            tasks: [{{name: qg_simple_stories, limit: 2}}]
-        scenarios:
-          # Two scenarios that need the same engine options: one engine start per checkpoint.
-          # transformers_decompressed: the CPU's one engine times the compressed builds too (lanes under test).
-          short: {{kind: offline, engines: [transformers], device: cpu, num_prompts: 2, input_len: 8, output_len: 4,
-                  batch_size: 2, repetitions: 1, warmup: 0, max_model_len: 40, transformers_decompressed: true}}
-          long: {{kind: latency, engines: [transformers], device: cpu, num_prompts: 2, input_len: 16, output_len: 24,
-                 repetitions: 1, warmup: 1, max_model_len: 40, transformers_decompressed: true}}
-        models:
-          - id: tiny
-            source: {{kind: local, path: {TINY_MODEL}}}
-            variants: [rtn-w8a16]
-            suite: stories
-            scenarios: [short, long]
-        policy:
-          version: 1
-          quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.5, higher_is_better: false}}]
-          max_size_ratio: 1.0
-    """))
+    path.write_text(CATALOG_HEAD + f"""scenarios:
+  # Two scenarios that need the same engine options: one engine start per checkpoint.
+  # transformers_decompressed: the CPU's one engine times the compressed builds too (lanes under test).
+  short: {{kind: offline, engines: [transformers], device: cpu, num_prompts: 2, input_len: 8, output_len: 4,
+          batch_size: 2, repetitions: 1, warmup: 0, max_model_len: 40, transformers_decompressed: true}}
+  long: {{kind: latency, engines: [transformers], device: cpu, num_prompts: 2, input_len: 16, output_len: 24,
+         repetitions: 1, warmup: 1, max_model_len: 40, transformers_decompressed: true}}
+models:
+  - id: tiny
+    source: {{kind: local, path: {TINY_MODEL}}}
+    variants: [int8-w8a16]
+    suite: stories
+    scenarios: [short, long]
+policy:
+  version: 1
+  quality: [{{task: qg_simple_stories, metric: bits_per_byte, min_recovery: 0.5, higher_is_better: false}}]
+  max_size_ratio: 1.0
+""")
     return path
 
 
@@ -71,9 +64,9 @@ def test_two_lanes_measure_two_checkpoints_side_by_side_each_on_its_own_gpu(tmp_
         stages = store.rows(con, "SELECT checkpoint, started_at, ended_at, engine_starts FROM stage_times"
                                  " WHERE run_id = ? AND stage = 'benchmark' ORDER BY checkpoint", [run_id])
     assert sorted((r["name"], r["scenario"], r["status"]) for r in rows) == [
-        ("base", "long", "ok"), ("base", "short", "ok"), ("rtn-w8a16", "long", "ok"), ("rtn-w8a16", "short", "ok")]
+        ("base", "long", "ok"), ("base", "short", "ok"), ("int8-w8a16", "long", "ok"), ("int8-w8a16", "short", "ok")]
     # Each checkpoint was measured by a process that saw one GPU id, its lane's, and the two lanes both worked.
-    by_checkpoint = {name: {r["gpu"] for r in rows if r["name"] == name} for name in ("base", "rtn-w8a16")}
+    by_checkpoint = {name: {r["gpu"] for r in rows if r["name"] == name} for name in ("base", "int8-w8a16")}
     assert all(len(ids) == 1 for ids in by_checkpoint.values())
     assert set().union(*by_checkpoint.values()) == {"0", "1"}
     # Side by side: the two benchmark stages overlap in time; one engine start each for its two scenarios, and the

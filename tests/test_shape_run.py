@@ -25,7 +25,7 @@ from quantgate.tasks.adapters.dummy_weights import layout
 from quantgate.tasks.steps.decide import decide
 from quantgate.tasks.steps.download import fetch_model
 from quantgate.warehouse import store
-from tests.cli_runs import run_cli, tiny_catalog
+from tests.cli_runs import CATALOG_HEAD, run_cli, tiny_catalog
 
 # 2 layers of hidden 128; a vocabulary of 320 holds the tokenizer's 256 byte symbols, its two special tokens (at
 # bos and eos) and 62 word tokens. The layers outweigh the embeddings (which builds keep in 16 bits), so a W8A16
@@ -47,13 +47,7 @@ def shape_config(folder: Path) -> Path:
 def catalog_with(tmp_path: Path, source: str) -> Path:
     """A catalog of one model whose source is `source` (inline YAML)."""
     path = tmp_path / "catalog.yaml"
-    path.write_text(f"""version: 1
-variants:
-  int8-w8a16: {{method: rtn, scheme: W8A16, group_size: null}}
-suites:
-  stories:
-    tasks: [{{name: qg_simple_stories, limit: 2}}]
-models:
+    path.write_text(CATALOG_HEAD + f"""models:
   - id: tiny-shape
     source: {source}
     variants: [int8-w8a16]
