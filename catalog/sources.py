@@ -13,7 +13,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import Field, field_validator, model_validator
 
 from quantgate.catalog.errors import CatalogError
-from quantgate.catalog.shapes import SHAPES
+from quantgate.catalog.shapes import GENERATION, SHAPES
 from quantgate.catalog.spec import Strict
 
 
@@ -155,9 +155,7 @@ def shape_config(src: ShapeSource) -> dict:
     and an integer `vocab_size` (whether transformers can build it is the download step's to say)."""
     if src.shape is not None:
         return dict(SHAPES[src.shape])
-    path = Path(str(src.config)).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
+    path = _config_file(src)
     try:
         config = json.loads(path.read_text())
     except OSError as e:
@@ -169,6 +167,30 @@ def shape_config(src: ShapeSource) -> dict:
     if not isinstance(config.get("vocab_size"), int):
         raise CatalogError(f"shape config {path}: not a model config (no integer 'vocab_size')")
     return config
+
+
+def shape_generation_config(src: ShapeSource) -> dict | None:
+    """The generation_config.json of `src`'s model: a published shape's (catalog/shapes.py), else the file beside its
+    config.json, where there is one: like the config, it is the model's (its end-of-sequence tokens, its sampling
+    defaults), so the checkpoint carries it as a download of the model would."""
+    if src.shape is not None:
+        return GENERATION.get(src.shape)
+    path = _config_file(src).with_name("generation_config.json")
+    if not path.is_file():
+        return None
+    try:
+        generation = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CatalogError(f"shape generation config {path}: cannot be read as JSON ({e})") from None
+    if not isinstance(generation, dict):
+        raise CatalogError(f"shape generation config {path}: not a JSON object")
+    return generation
+
+
+def _config_file(src: ShapeSource) -> Path:
+    """The config.json a `config` source names: the file, or the one in the folder it names."""
+    path = Path(str(src.config)).expanduser()
+    return path / "config.json" if path.is_dir() else path
 
 
 Source = Annotated[HubSource | LocalSource | GgufSource | ShapeSource, Field(discriminator="kind")]

@@ -116,7 +116,8 @@ def run(
 
 def _verdict(row: dict) -> dict:
     """A scorecard row as the end of a run shows it: the verdict first, then the check that made it (its value
-    against its threshold; none for an accept), size and speedup over the base."""
+    against its threshold; none for an accept), size and speedup over the base, and whether the model's weights were
+    random (the table says that in a line above it; csv and json, read by scripts, on every row)."""
     if row["deciding_check"] is None:
         deciding = "every check passed" if row["decision"] == "accept" else row["reason"].split(": ", 1)[-1]
     elif row["deciding_value"] is None:  # a check with no figure of its own, e.g. no informative quality gate
@@ -129,7 +130,8 @@ def _verdict(row: dict) -> dict:
             deciding += f"; ~{row['items_to_decide']:,} items would decide"
     times = lambda x: None if x is None else f"{x:.2f}x"  # noqa: E731
     return {"variant": row["variant"], "decision": row["decision"], "deciding_check": deciding,
-            "size": times(row["size_ratio"]), "speedup": times(row["speedup"])}
+            "size": times(row["size_ratio"]), "speedup": times(row["speedup"]),
+            "random_weights": bool(row["random_weights"])}
 
 
 @app.command()

@@ -173,6 +173,7 @@ def prepare(
         architecture=(config.get("architectures") or [None])[0],
         num_parameters=sum(math.prod(dims) for dims, _ in bf16.values()),
         size_bytes=sum(nbytes for _, nbytes in bf16.values()),
+        random_weights=True,  # every build is dummy weights of the shape: speed only, as a shape run's
     )
     builds = {}
     for name, b in spec.builds.items():

@@ -316,6 +316,8 @@ def test_flow_past_its_deadline_starts_nothing(tmp_path, prefect_api):
     assert all(s["reason"].startswith("deadline: not started") for s in steps)
     with store.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM speed_results WHERE status = 'skipped'").fetchone()[0] == 4
+        # Dummy weights of the shape: random, as a shape run's, and marked so.
+        assert con.execute("SELECT model_id, random_weights FROM models").fetchall() == [("tiny", True)]
     suite = load_gpu_suite(_tiny_suite(tmp_path))
     assert [s.part for _, s in select_steps(suite, ["serving", "cpu"])] == ["serving", "cpu", "cpu"]
     with pytest.raises(Exception, match=r"unknown part\(s\) \['nope'\]"):

@@ -126,6 +126,20 @@ def test_the_checkpoint_is_random_deterministic_and_written_once(tmp_path):
     assert first.num_parameters == sum(math.prod(s) for s, _ in layout(TINY_SHAPE).values())
 
 
+def test_a_generation_config_beside_the_config_goes_with_it(tmp_path):
+    shape_config(tmp_path / "tiny-qwen2")
+    spec = load_catalog(catalog_with(tmp_path, "{kind: shape, config: tiny-qwen2/config.json}")).models[0]
+    without = fetch_model(spec, tmp_path / "work")
+    generation = {"bos_token_id": 318, "eos_token_id": [319, 318], "do_sample": True, "temperature": 0.7}
+    (tmp_path / "tiny-qwen2" / "generation_config.json").write_text(json.dumps(generation))
+    beside = fetch_model(spec, tmp_path / "work")
+    assert json.loads((Path(beside.path) / "generation_config.json").read_text()) == generation
+    # Another checkpoint, not the folder written before the file was there; without one, the config's tokens.
+    assert beside.sha != without.sha and beside.path != without.path
+    assert json.loads((Path(without.path) / "generation_config.json").read_text()) == {"bos_token_id": 318,
+                                                                                         "eos_token_id": 319}
+
+
 POLICY = Policy.model_validate({
     "version": 1,
     "quality": [{"task": "ppl", "metric": "word_perplexity", "min_recovery": 0.95, "higher_is_better": False},
@@ -181,6 +195,12 @@ def test_a_shape_run_measures_speed_and_says_quality_is_not_measured(tmp_path, p
         # Speed decides as usual, on real timings of both checkpoints.
         speed = store.rows(con, "SELECT outcome, value FROM decision_checks WHERE kind = 'speed'")
         assert speed[0]["outcome"] == "pass" and speed[0]["value"] == card[0]["speedup"] > 0
+    # A script reading the verdicts as JSON (a rerun: every stage reused) sees the weights were random on each row.
+    again = run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(tmp_path / "work"), "-q",
+                     "-f", "json"], prefect_api)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [(v["variant"], v["decision"], v["random_weights"]) for v in json.loads(again.stdout)] == [
+        ("int8-w8a16", "inconclusive", True)]
     report = run_cli(["report", "-w", str(wh), "--out", str(tmp_path / "report.html")])
     assert report.returncode == 0, report.stderr
     html = (tmp_path / "report.html").read_text()

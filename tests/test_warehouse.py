@@ -2,6 +2,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import duckdb
 import pytest
@@ -132,6 +133,27 @@ def test_a_changed_migration_is_refused(tmp_path, monkeypatch):
     first.write_text(first.read_text() + "\n-- edited\n")
     with pytest.raises(store.WarehouseError, match="changed after it was applied"), store.session(path):
         pass
+
+
+def test_the_gpu_suites_models_stored_before_migration_14_are_marked_random_weights(tmp_path, monkeypatch):
+    mig = tmp_path / "migrations"
+    shutil.copytree(store.MIGRATIONS, mig)
+    (mig / "0014_gpu_suite_random_weights.sql").unlink()
+    real = store.MIGRATIONS
+    monkeypatch.setattr(store, "MIGRATIONS", mig)
+    path = tmp_path / "w.ducklake"
+    with store.session(path) as con:
+        seed_run(con, "r1")  # a real model
+        store.start_run(con, "g1", "gpu-suite", "tiny", "gpu.yaml", "h", "host", {})
+        suite = ModelArtifact("tiny", "/g", "local", None, "d" * 40)  # as the suite stored it before: not marked
+        store.record_model(con, "g1", suite)
+        store.record_variant(con, "g1", replace(_variant(f"{suite.uid}:dummy-bf16", "bf16", method="base"),
+                                                model_uid=suite.uid, weights="dummy"), "base")
+    store.close_all()
+    monkeypatch.setattr(store, "MIGRATIONS", real)
+    with store.session(path) as con:
+        assert con.execute("SELECT model_id, random_weights FROM models ORDER BY 1").fetchall() == [
+            ("m", False), ("tiny", True)]
 
 
 def test_schema_newer_than_code_and_foreign_files(tmp_path):

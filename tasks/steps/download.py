@@ -26,8 +26,9 @@ from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.records import ModelArtifact
 from quantgate.catalog.settings import settings
-from quantgate.catalog.sources import GgufParts, GgufSource, HubSource, LocalSource, ShapeSource, shape_config
-from quantgate.catalog.shapes import GENERATION
+from quantgate.catalog.sources import (
+    GgufParts, GgufSource, HubSource, LocalSource, ShapeSource, shape_config, shape_generation_config,
+)
 from quantgate.tasks.adapters import gguf_parts
 from quantgate.tasks.adapters.dummy_weights import DummyWeightsError, write_dummy_checkpoint
 from quantgate.tasks.runtime import faults
@@ -445,10 +446,22 @@ def _shape_config(model_id: str, src: ShapeSource) -> dict:
         raise DownloadError(f"{model_id}: {e}") from None
 
 
+def _shape_generation(model_id: str, src: ShapeSource) -> dict | None:
+    try:
+        return shape_generation_config(src)
+    except QuantgateError as e:  # read at download, not at catalog load: say which model's it is
+        raise DownloadError(f"{model_id}: {e}") from None
+
+
 def shape_sha(model_id: str, src: ShapeSource) -> str:
     """The identity of `src`'s random-weights checkpoint, known before writing it: the config, the seed and the
-    writer's version. The weights are drawn on the CPU whatever the host has, so one identity is one content."""
+    writer's version, and a generation_config.json lying beside a config (a published shape's is fixed like its
+    config, so its identity stays what it was). The weights are drawn on the CPU whatever the host has, so one
+    identity is one content."""
     ident = {"shape": _shape_config(model_id, src), "seed": SHAPE_SEED, "writer": SHAPE_WRITER}
+    # In the identity, so that a generation config added or edited beside the config is written, not a folder reused.
+    if src.config is not None and (generation := _shape_generation(model_id, src)) is not None:
+        ident["generation"] = generation
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -463,8 +476,8 @@ def _fetch_shape(model_id: str, src: ShapeSource, cache_dir: Path) -> tuple[Path
         started = time.perf_counter()
         try:
             # CPU, not the GPU: the CUDA generator draws other values from the same seed.
-            write_dummy_checkpoint(tmp, _shape_config(model_id, src), generation_config=GENERATION.get(src.shape or ""),
-                                   seed=SHAPE_SEED, device="cpu")
+            write_dummy_checkpoint(tmp, _shape_config(model_id, src), seed=SHAPE_SEED, device="cpu",
+                                   generation_config=_shape_generation(model_id, src))
         except DummyWeightsError as e:
             raise DownloadError(f"{model_id}: shape {src.name}: {e}") from None
         try:
