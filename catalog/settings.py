@@ -33,9 +33,10 @@ class Settings(BaseSettings):
     lock_wait_s: float = 60.0
     # The offline eval data (default: ../shared/data/eval beside the checkout).
     eval_data: Path | None = None
-    # How many unmeasured jobs (builds, evaluations, KL) may share one GPU at a time. A 1.5B model takes a few GB
-    # of an H200's 141: builds peaked at 1-7 GiB on it, and each lm-eval engine is given a fixed 8 GiB KV cache
-    # (tasks/adapters/evaluators/lm_eval.py). Six (a base and five variants, each built and evaluated at once) fit
+    # How many unmeasured jobs (builds, evaluations, KL) may share one GPU at a time, at most: fewer where the
+    # model's jobs do not fit its memory together (each sized by the model: tasks/adapters/model_memory.py; a 7B
+    # model's evaluation engine takes about 27 GiB). A 1.5B model's take a few GB of an H200's 141 (builds peaked at
+    # 1-7 GiB, evaluation engines 14 GiB): six (a base and five variants, each built and evaluated at once) fit
     # beside the engines waiting to measure; with four, the last two builds waited for a slot and were the run's
     # critical path (results/h200/reference3).
     shared_jobs_per_gpu: int = 6

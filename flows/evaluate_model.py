@@ -31,14 +31,16 @@ from quantgate.catalog.variants import CalibrationSpec, VariantSpec
 from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.flows.live import work_dir
+from quantgate.flows.memory_plan import gpu_share
 from quantgate.flows.speed_plan import SpeedPlan
+from quantgate.tasks.adapters.model_memory import CapacityError
 from quantgate.tasks.runtime import environment, faults, gpu_memory, launch, placement
 from quantgate.tasks.steps.caching import build_cached, check_calibration_cached, download_cached
 from quantgate.tasks.steps.calibration import CalibrationError
 from quantgate.tasks.steps.decide import decide_task
 from quantgate.tasks.steps.divergence import DivergenceError, kl_eval_key, kl_reports_task
 from quantgate.tasks.steps.download import DownloadError
-from quantgate.tasks.steps.evaluate import eval_key, evaluate_task, start_memory_bytes
+from quantgate.tasks.steps.evaluate import eval_key, evaluate_task
 from quantgate.tasks.steps.quantize import base_variant, lib_versions, variant_from_row
 from quantgate.warehouse import store
 
@@ -49,7 +51,9 @@ class ModelOutputError(QuantgateError, RuntimeError):
     """A base model whose outputs are not finite: nothing can be judged against it; the message is one line."""
 
 
-USER_ERRORS = (ModelOutputError, CatalogError, DownloadError, CalibrationError, DivergenceError, store.WarehouseError)
+# Bad input, or a model too large for this host: one line in the run row and in the flow's state.
+USER_ERRORS = (ModelOutputError, CatalogError, DownloadError, CalibrationError, DivergenceError, CapacityError,
+               store.WarehouseError)
 
 
 def _run_name() -> str:
@@ -278,6 +282,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, engines: lis
     suite = cat.suites[spec.suite]
     setup = _eval_setup(load_time=any(cat.variants[n].load_time for n in spec.variants))
     plan = SpeedPlan(spec, cat, engines)
+    # Before any build: every stage sized by the model; one that cannot fit the GPU stops the run here.
+    share = gpu_share(cat, spec, model.path, setup.backend, setup.device)
 
     # The base first: on a CPU (one job at a time) a base whose outputs are not finite stops the run before any
     # build; on a GPU its evaluation runs beside the builds, and each variant is evaluated as its build ends.
@@ -290,11 +296,10 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, engines: lis
                             engine_pool if early else None)
         # The unmeasured phase, its jobs and KL, holds a share of the GPU from here to KL's end, so no measurement
         # slips into a gap between its jobs (on the H200, measurements that did kept KL waiting behind them).
-        # Each evaluation is promised the memory its engine asks to find free at start, until it has loaded: the
-        # speed engines started beside take what is left.
-        with launch.sharing(), gpu_memory.promised_memory(
-                1 + len(spec.variants), start_memory_bytes(setup.backend, setup.device)) as evals:
-            with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda")) as pool:
+        # Each evaluation is promised the memory its engine takes (sized by the model), until it has loaded: the
+        # speed engines started beside take what is left; as many jobs run at once as fit the GPU.
+        with launch.sharing(), gpu_memory.promised_memory(1 + len(spec.variants), share.eval_bytes) as evals:
+            with launch.jobs(launch.shared_slots(lanes, setup.device == "cuda", share.fit)) as pool:
                 base_quality = pool.submit(_quality, run, base, suite, setup, spec, True, evals)
                 if base_quality.done():  # one job at a time: it ran already, and a broken base stops the run here
                     base_quality.result()

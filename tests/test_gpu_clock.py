@@ -14,9 +14,8 @@ import pytest
 
 from quantgate.catalog.scenarios import LatencyScenario, OfflineScenario, ServingScenario
 from quantgate.tasks.adapters.engines import EngineOptions
-from quantgate.tasks.adapters.speed.options import (
-    ENGINE_OVERHEAD_BYTES, SIZED_GPU_MEMORY_UTILIZATION, sized_kv_cache, start_memory_bytes,
-)
+from quantgate.tasks.adapters.model_memory import engine_overhead_bytes
+from quantgate.tasks.adapters.speed.options import SIZED_GPU_MEMORY_UTILIZATION, sized_kv_cache, start_memory_bytes
 from quantgate.tasks.adapters.speed.retry import fallback_options
 from quantgate.tasks.runtime import launch
 
@@ -165,13 +164,16 @@ def test_the_kv_cache_is_sized_to_the_scenarios_whole_load(tmp_path):
     assert sized_kv_cache(EngineOptions("cpu", "float32"), tmp_path, [offline]).kv_cache_memory_bytes is None
     # Its retry after running out of memory is the same start, made with the GPU alone.
     assert fallback_options(sized, "vllm", 384) == [sized, sized]
-    # The memory its start is admitted for: the weights as stored, the KV cache, the engine's overhead (vLLM's
-    # free-memory share at start needs NVML, which this machine lacks: there the larger of the two counts).
+    # The memory its start is admitted for: the weights as stored, the KV cache, the engine's overhead for the
+    # model's widths (3 GiB and its profile run's activations; tests/test_memory_plan.py holds it to measured
+    # peaks). vLLM's free-memory share at start needs NVML, which this machine lacks: there the larger counts.
     import torch
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(1024, 1024, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
-    assert start_memory_bytes(sized, tmp_path, "vllm") == 2 * 1024 * 1024 + sized.kv_cache_memory_bytes + ENGINE_OVERHEAD_BYTES
+    overhead = engine_overhead_bytes(QWEN_1_5B)
+    assert overhead == (3 << 30) + 16_384 * (2 * 4 * 1536 + 4 * 1536) * 2  # no intermediate_size: 4 x hidden
+    assert start_memory_bytes(sized, tmp_path, "vllm") == 2 * 1024 * 1024 + sized.kv_cache_memory_bytes + overhead
     assert start_memory_bytes(EngineOptions("cpu", "float32"), tmp_path, "transformers") == 0
 
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from quantgate.catalog.records import CalibrationSamples, ModelArtifact
 from quantgate.catalog.variants import ChatCalibration, TextCalibration, VariantSpec
 from quantgate.tasks.adapters.quantizers import llmcompressor
+from quantgate.tasks.adapters.quantizers.batching import CALIBRATION_TOKENS_PER_BATCH
 from quantgate.tasks.steps.quantize import MARKER, base_variant, build_variant, lib_versions, recipe_for, variant_uid
 from tests.shared_data import SHARED, with_chat_template
 
@@ -114,7 +115,7 @@ def test_calibration_runs_in_token_budget_batches(count, seq_len, batch_size, mo
     spec = VariantSpec(name="awq-w4a16-g32", method="awq", scheme="W4A16", group_size=32)
     llmcompressor.quantize(TINY, spec, samples, tmp_path)
     assert seen["batch_size"] == batch_size and seen["num_calibration_samples"] == count
-    assert batch_size * seq_len <= llmcompressor.CALIBRATION_TOKENS_PER_BATCH or batch_size == 1
+    assert batch_size * seq_len <= CALIBRATION_TOKENS_PER_BATCH or batch_size == 1
     # The batching is how the build runs, not what it builds: the recipe (and so the variant uid) omits it.
     assert seen["recipe"] == llmcompressor.recipe_text(spec)
 

@@ -34,8 +34,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 # An engine's start beside other work leaves this share of the GPU's memory free for the unmeasured work that starts
-# after it: an lm-eval engine asks vLLM for 0.12 of the GPU free at its start (tasks/adapters/evaluators/lm_eval.py), a
-# build a few GiB. Without it the engines loaded early took the GPU to 7 GiB free, and later starts failed vLLM's
+# after it: an lm-eval engine asks vLLM for what it takes free at its start (tasks/adapters/model_memory.eval_engine),
+# a build a few GiB. Without it the engines loaded early took the GPU to 7 GiB free, and later starts failed vLLM's
 # free-memory check (results/h200/reference7).
 START_HEADROOM = 0.15
 # Free memory moves without notice (other processes load and end): how often a start waiting for it looks again,
@@ -58,9 +58,14 @@ def lanes_from(gpus: str | None) -> list[str | None]:
     return list(found) or [None]
 
 
-def shared_slots(lanes: Sequence[str | None], on_gpu: bool) -> int:
-    """Unmeasured jobs at a time: a few per GPU; one on a CPU, whose cores one job already keeps busy."""
-    return max(1, settings().shared_jobs_per_gpu * len(lanes)) if on_gpu else 1
+def shared_slots(lanes: Sequence[str | None], on_gpu: bool, fit: int | None = None) -> int:
+    """Unmeasured jobs at a time: on a GPU as many as `fit` its memory (each sized by the model:
+    tasks/adapters/model_memory.RunPlan.jobs_per_gpu; they all run on the first GPU a process sees), at most
+    QUANTGATE_SHARED_JOBS_PER_GPU per lane; one on a CPU, whose cores one job already keeps busy."""
+    if not on_gpu:
+        return 1
+    most = max(1, settings().shared_jobs_per_gpu * len(lanes))
+    return max(1, min(most, fit)) if fit else most
 
 
 # An engine's start shares the machine with the builds and evaluations the run waits for: at a lower CPU priority

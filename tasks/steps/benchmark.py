@@ -28,7 +28,7 @@ from quantgate.tasks.adapters.engines import Engine, EngineOptions, RequestTimin
 from quantgate.tasks.adapters.speed.checkpoint import is_compressed_tensors, text_config
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
 from quantgate.tasks.adapters.speed.options import (
-    engine_options, resolve_device, sized_kv_cache, start_memory_bytes, wants_random_weights,
+    engine_fit, engine_options, resolve_device, sized_kv_cache, start_memory_bytes, wants_random_weights,
 )
 from quantgate.tasks.adapters.speed.prompts import Prompts, make_prompt_sets
 from quantgate.tasks.adapters.speed.retry import Failure, fallback_options, retry_on_oom
@@ -102,8 +102,9 @@ def run_scenarios(
 
     With `pair_with` (the base checkpoint of a variant), the same engine loads it too, first, and the passes of
     each `paired` scenario alternate between the two (`_measure_one`); the variant's rows carry the base's passes
-    as details["paired_base"]. A base that does not load, a base folder that is not there, or an isolated retry
-    after running out of memory (it starts alone) leaves the variant's passes alone, saying why (details["unpaired"]).
+    as details["paired_base"]. A base that does not load, a base folder that is not there, two engines that do not
+    fit the GPU together, or an isolated retry after running out of memory (it starts alone) leaves the variant's
+    passes alone, saying why (details["unpaired"]). An engine sized larger than the GPU fails before it starts.
     """
     if not scenarios:
         return []
@@ -148,6 +149,10 @@ def run_scenarios(
     if engine_name == "vllm":
         opts = sized_kv_cache(opts, model_path, items)
     pair = _pairing(pair_with, engine_name, device, scenarios, options)
+    need, too_big, unpaired = engine_fit(opts, model_path, engine_name, pair)
+    if too_big:
+        return results("failed", too_big, opts)  # before it starts
+    pair = None if unpaired else pair
     deadline = time.monotonic() + timeout_s
 
     def start(used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
@@ -160,8 +165,7 @@ def run_scenarios(
                 _measure_group, (model_path, engine_name, items, used, paired),
                 deadline - time.monotonic() if tried else timeout_s, log, name=f"quantgate-bench-{engine_name}",
                 start_alone=tried > 0,
-                memory_bytes=0 if tried else start_memory_bytes(used, model_path, engine_name)
-                + (start_memory_bytes(pair[1], pair[0], engine_name) if pair else 0),
+                memory_bytes=0 if tried else need + (start_memory_bytes(pair[1], pair[0], engine_name) if pair else 0),
             )
         else:
             try:
@@ -187,7 +191,7 @@ def run_scenarios(
     if payload is None:
         return results("failed", tried.error, used, details)
 
-    alone = _measured_alone(pair_with, pair, attempts, isolate)
+    alone = unpaired or _measured_alone(pair_with, pair, attempts, isolate)
     out = []
     for (name, scenario), (one_status, measured) in zip(scenarios, payload, strict=True):
         config = _config(scenario, used)

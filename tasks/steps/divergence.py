@@ -23,13 +23,15 @@ if TYPE_CHECKING:
 
 TASK, METRIC, VERSION = "kl_divergence", "mean_token_kl", "1"
 EVALUATOR = "quantgate-kl"
+# Tokens of each window both models score (its logits are what KL holds beside the two models: model_memory.kl_need).
+WINDOW_TOKENS = 256
 
 
 class DivergenceError(QuantgateError, RuntimeError):
     """Unusable input for a KL run (unreadable or too short text, mismatched vocabularies); one line."""
 
 
-def kl_eval_key(text_file: str, seq_len: int = 256, max_tokens: int = 4096, dtype: str = "float32") -> str:
+def kl_eval_key(text_file: str, seq_len: int = WINDOW_TOKENS, max_tokens: int = 4096, dtype: str = "float32") -> str:
     """'kl:' + 16 hex chars over the text's content and the windowing; the variant uid already names the base."""
     try:
         digest = hashlib.sha256(Path(text_file).read_bytes()).hexdigest()
@@ -71,7 +73,7 @@ def kl_divergence(
     variant_path: str,
     text_file: str,
     *,
-    seq_len: int = 256,
+    seq_len: int = WINDOW_TOKENS,
     max_tokens: int = 4096,
     device: str = "cpu",
     dtype: str = "float32",
@@ -127,7 +129,7 @@ def kl_reports(
     variant_paths: dict[str, str],
     text_file: str,
     *,
-    seq_len: int = 256,
+    seq_len: int = WINDOW_TOKENS,
     max_tokens: int = 4096,
     device: str = "cpu",
     dtype: str = "float32",

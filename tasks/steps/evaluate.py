@@ -7,10 +7,11 @@ import time
 
 from prefect import task
 
+from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.records import QualityReport
 from quantgate.catalog.suites import SuiteSpec
 from quantgate.tasks.adapters.evaluators import lm_eval as evaluator
-from quantgate.tasks.adapters.evaluators.lm_eval import EVALUATOR, Backend, EvaluationError
+from quantgate.tasks.adapters.evaluators.lm_eval import EVALUATOR, Backend
 from quantgate.tasks.runtime import faults
 
 log = logging.getLogger(__name__)
@@ -21,9 +22,10 @@ def eval_key(suite: SuiteSpec, backend: Backend = "hf", dtype: str = "float32") 
     return evaluator.eval_key(suite, backend, dtype)
 
 
-def start_memory_bytes(backend: str, device: str) -> int:
-    """The GPU memory an evaluation's engine asks to find free when it starts (0 where nothing checks)."""
-    return evaluator.start_memory_bytes(backend, device)
+def task_words(suite: SuiteSpec) -> list[int] | None:
+    """The sizes in words of the suite's tasks sized so, None with a built-in lm-eval task (what an evaluation
+    engine's max_model_len is sized by: tasks/adapters/model_memory.eval_max_model_len)."""
+    return evaluator.task_words(suite)
 
 
 def evaluate_variant(
@@ -43,7 +45,8 @@ def evaluate_variant(
         faults.point("evaluate")
         return report
     except Exception as e:
-        error = str(e) if isinstance(e, EvaluationError) else f"{type(e).__name__}: {e}".splitlines()[0]
+        # Our own errors (an engine that cannot fit the GPU included) are already one line.
+        error = str(e) if isinstance(e, QuantgateError) else f"{type(e).__name__}: {e}".splitlines()[0]
         log.warning("evaluation of %s failed: %s", model_path, error)
         return QualityReport(
             eval_key=eval_key(suite, backend, dtype),

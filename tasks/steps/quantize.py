@@ -28,6 +28,7 @@ from safetensors import safe_open
 from quantgate.catalog.errors import one_line
 from quantgate.catalog.records import CalibrationSamples, ModelArtifact, VariantArtifact
 from quantgate.catalog.variants import CalibrationSpec, VariantSpec
+from quantgate.tasks.adapters import model_memory
 from quantgate.tasks.runtime import faults, launch
 from quantgate.tasks.steps.calibration import load_calibration
 
@@ -137,8 +138,9 @@ def _sweep_orphans(out_root: Path, uid: str) -> None:
 def _build_error(err: BaseException) -> str:
     from quantgate.tasks.adapters.quantizers.llmcompressor import QuantizeError
 
-    # Our own checks already read as a sentence; anything else keeps its exception type.
-    return str(err).strip().splitlines()[0][:300] if isinstance(err, QuantizeError) and str(err).strip() else one_line(err)
+    # Our own checks (the disk's included) already read as a sentence; anything else keeps its exception type.
+    ours = isinstance(err, (QuantizeError, model_memory.CapacityError)) and str(err).strip()
+    return str(err).strip().splitlines()[0][:300] if ours else one_line(err)
 
 
 def _reusable(folder: Path, spec: VariantSpec, uid: str,
@@ -268,14 +270,18 @@ def build_variant(
     _sweep_orphans(out_root, uid)
     tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.{_owner()}.", suffix=".tmp", dir=out_root))
     on_gpu = torch.cuda.is_available()
+    # What it will write, against the disk's free space less what builds under way here have yet to write: one line
+    # when short, before any work (a CPU build keeps its unquantized tensors in float32).
+    disk = model_memory.variant_disk_bytes(model.path, spec, dtype_bytes=2 if on_gpu else 4)
     start = time.perf_counter()
     try:
-        if on_gpu:
-            # A process of its own: builds of one model then run side by side on the GPU (llm-compressor keeps
-            # one global session per process), and each build's peak memory is its own.
-            peak = launch.on_gpus(None, None, quantize_measured, Path(model.path), spec, samples, tmp)
-        else:
-            peak = quantize_measured(Path(model.path), spec, samples, tmp)
+        with model_memory.disk_reserved(tmp, disk, "its build"):
+            if on_gpu:
+                # A process of its own: builds of one model then run side by side on the GPU (llm-compressor keeps
+                # one global session per process), and each build's peak memory is its own.
+                peak = launch.on_gpus(None, None, quantize_measured, Path(model.path), spec, samples, tmp)
+            else:
+                peak = quantize_measured(Path(model.path), spec, samples, tmp)
         faults.point("quantize")
         bad = _nonfinite_tensor(tmp)
         error = None if bad is None else f"saved weights contain NaN/Inf in {bad}"

@@ -27,8 +27,8 @@ from quantgate.catalog.paths import LOCAL_TASKS_DIR
 from quantgate.catalog.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
 from quantgate.catalog.settings import settings
 from quantgate.catalog.suites import LocalTask, SuiteSpec
+from quantgate.tasks.adapters.evaluators.engine import engine_plan, shared_gpu_engine_args
 from quantgate.tasks.runtime import gpu_memory, processes
-from quantgate.tasks.runtime.telemetry import vllm_start_check_bytes
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,14 @@ def evaluate(
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("HF_DATASETS_OFFLINE", "1")
     env |= config.get("engine_env", {})
+    # Sized by the model before the engine starts: one that cannot fit says so here, in one line.
+    engine = engine_plan(model_path, task_words(suite)).args() if backend == "vllm" and device == "cuda" else {}
     request = {
         "model_path": model_path,
         "suite": suite.model_dump(mode="json"),
         "include_paths": _include_paths(suite),
         "builtin": bool(builtin),
+        "engine": engine,
         **{k: config[k] for k in ("backend", "device", "dtype", "trust_remote_code", "batch_size")},
     }
     log.info("lm-eval %s on %s: %s (%s, %s, %s)", config["lm_eval"], model_path, names, backend, device, dtype)
@@ -155,7 +158,8 @@ def evaluate(
         eval_key=key,
         evaluator=EVALUATOR,
         # The protocol each result's task was asked with, by task name as the results name it.
-        config=config | {"protocols": out["protocols"], "example_prompts": out["example_prompts"]},
+        config=config | {"protocols": out["protocols"], "example_prompts": out["example_prompts"]}
+        | ({"engine": engine} if engine else {}),
         metrics=[MetricResult(**m) for m in out["metrics"]],
         samples=[SampleResult(**s) for s in out["samples"]],
         seconds=seconds,
@@ -290,7 +294,7 @@ def _run(request: dict) -> dict:
         # the model args, and Transformers 5 dropped load_in_4bit / load_in_8bit.
         model_args = {"pretrained": load_time, "tokenizer": request["model_path"]}
     elif backend == "vllm":
-        model_args |= shared_gpu_engine_args()
+        model_args |= shared_gpu_engine_args(request["engine"])
     # vLLM picks its GPU from CUDA_VISIBLE_DEVICES and rejects a device argument.
     extra = {"batch_size": request["batch_size"], "device": request["device"] if backend == "hf" else None}
     try:
@@ -335,40 +339,16 @@ def _example_prompt(results: dict) -> dict[str, str]:
     return {}
 
 
-# The KV cache of an evaluation engine: far more than lm-eval's longest request needs (a 1.5B model with
-# 2 KV heads stores ~28 KiB per token, so 300K tokens), a small share of an H200.
-EVAL_KV_CACHE_BYTES = 8 * 2**30
-# The free memory an evaluation engine asks for at start, as a share of the GPU (its weights and KV cache fit).
-EVAL_GPU_MEMORY_UTILIZATION = 0.12
-
-
-def shared_gpu_engine_args() -> dict[str, Any]:
-    """vLLM options for an evaluation engine that shares its GPU with other unmeasured jobs.
-
-    Quality and speed of a checkpoint do not share one engine start: lm-eval 0.4.13's vLLM backend cannot
-    take an engine already loaded (`VLLM.__init__` always builds `LLM(**model_args)` from a path, unlike its
-    hf backend, which takes a model object), and an evaluation may share a GPU with builds and other
-    evaluations while a speed measurement must run alone; so evaluations run side by side, then speed.
-    Scoring speed is not measured here: no torch.compile or CUDA-graph capture (a minute per start). A fixed
-    KV cache skips vLLM's free-memory profiling, which fails when another process on the GPU frees memory
-    meanwhile; the utilization then only sets the free memory vLLM checks for at start."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    args: dict[str, Any] = {"enforce_eager": True, "gpu_memory_utilization": EVAL_GPU_MEMORY_UTILIZATION}
-    if "kv_cache_memory_bytes" in getattr(EngineArgs, "__dataclass_fields__", {}):
-        args["kv_cache_memory_bytes"] = EVAL_KV_CACHE_BYTES
-    else:  # an older vLLM: profile, with room left for the others
-        args["gpu_memory_utilization"] = 0.3
-    return args
-
-
-def start_memory_bytes(backend: str, device: str) -> int:
-    """The GPU memory an evaluation engine asks to find free at its start (vLLM's gpu_memory_utilization of the
-    GPU, which holds its weights and fixed KV cache for a model of a few billion parameters); 0 where nothing
-    checks (the hf backend, a CPU, no NVML)."""
-    if backend != "vllm" or device != "cuda":
-        return 0
-    return vllm_start_check_bytes(EVAL_GPU_MEMORY_UTILIZATION) or 0
+def task_words(suite: SuiteSpec) -> list[int] | None:
+    """The size in words of each of the suite's tasks that is sized so (qg_passkey's context_words, the suite's
+    metadata over the task YAML's); None when a task is one of lm-eval's built-in ones, whose prompts are not
+    known here."""
+    configs = local_task_configs(suite)
+    if any(t.name not in configs for t in suite.tasks):
+        return None
+    words = [{**(leaf.config.get("metadata") or {}), **task.metadata}.get("context_words")
+             for task in suite.tasks for leaf in configs[task.name]]
+    return [int(w) for w in words if isinstance(w, (int, float))]
 
 
 def _load_time_model(request: dict) -> Any:

@@ -26,10 +26,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.records import CalibrationSamples
 from quantgate.catalog.variants import VariantSpec
+from quantgate.tasks.adapters.quantizers.batching import calibration_batch_size
 
 TARGETS = ["Linear"]
-# Calibration tokens per batch: AWQ reruns each layer per batch per grid point, so fewer batches, less overhead.
-CALIBRATION_TOKENS_PER_BATCH = 16_384
 
 
 class QuantizeError(QuantgateError, RuntimeError):
@@ -128,11 +127,6 @@ def _load(model_dir: Path, calibrated: bool) -> PreTrainedModel:
     # A CPU builds in float32, whatever the checkpoint stores (a GGUF base is bf16): its bf16 matrix products are
     # slower (GPTQ of the SmolLM2 demo took 502 s in bf16 on a busy 2-core machine; ~45 s in fp32 before).
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-
-def calibration_batch_size(num_samples: int, seq_len: int) -> int:
-    """Samples per calibration batch: as many as fit CALIBRATION_TOKENS_PER_BATCH, 1 to `num_samples`."""
-    return max(1, min(num_samples, CALIBRATION_TOKENS_PER_BATCH // max(seq_len, 1)))
 
 
 def quantize(model_dir: Path, spec: VariantSpec, samples: CalibrationSamples | None, out_dir: Path) -> None:

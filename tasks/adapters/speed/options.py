@@ -9,6 +9,7 @@ from typing import Any
 
 from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.tasks.adapters.engines import EngineOptions, cuda_available
+from quantgate.tasks.adapters import model_memory
 from quantgate.tasks.adapters.speed.checkpoint import text_config
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
 from quantgate.tasks.runtime.telemetry import vllm_start_check_bytes
@@ -23,10 +24,6 @@ MIN_KV_CACHE_BYTES = 1 << 30
 # the engine takes is admitted beside them on its own count (start_memory_bytes), so the check asks little: a 1.5B
 # model's engine with a small cache takes about 7 GB of an H200's 141.
 SIZED_GPU_MEMORY_UTILIZATION = 0.05
-# What an engine holds besides its weights and KV cache: the CUDA context, its profile run's activations, CUDA
-# graphs, library workspaces (3.0-3.6 GiB for the reference model's vLLM engines in reference6: NVML's peak less
-# the weights and the KV cache).
-ENGINE_OVERHEAD_BYTES = 3584 << 20
 
 
 def resolve_device(device: str) -> str:
@@ -95,15 +92,29 @@ def sized_kv_cache(opts: EngineOptions, model_path: str | Path, scenarios: Seque
 def start_memory_bytes(opts: EngineOptions, model_path: str | Path, engine_name: str) -> int:
     """The GPU memory an engine's start will take, for its admission beside other work (tasks/runtime/launch.GpuClock):
     its weights as stored (as its config lays them out, for a dummy-weight folder), its KV cache where sized, and
-    ENGINE_OVERHEAD_BYTES; for vLLM at least the share of the GPU it asks to find free at start
-    (gpu_memory_utilization). 0 off a GPU."""
+    the engine's overhead for the model's widths (model_memory.engine_overhead_bytes); for vLLM at least the share
+    of the GPU it asks to find free at start (gpu_memory_utilization). 0 off a GPU."""
     if opts.device != "cuda":
         return 0
     try:  # a dummy-weight folder has no weight files: the layout its config implies
         weights = sum(nbytes for _, nbytes in checkpoint_tensors(model_path).values())
     except (RooflineError, DummyWeightsError, OSError, KeyError, ValueError):
         weights = 0  # no estimate: vLLM's own check (below) still holds
-    need = weights + (opts.kv_cache_memory_bytes or 0) + ENGINE_OVERHEAD_BYTES
+    overhead = model_memory.engine_overhead_bytes(text_config(model_path) or {})
+    need = weights + (opts.kv_cache_memory_bytes or 0) + overhead
     if engine_name == "vllm" and (checked := vllm_start_check_bytes(opts.gpu_memory_utilization)) is not None:
         need = max(need, checked)
     return need
+
+
+def engine_fit(opts: EngineOptions, model_path: str | Path, engine_name: str,
+               pair: tuple[str | Path, EngineOptions] | None) -> tuple[int, str | None, str | None]:
+    """The memory an engine's start takes (start_memory_bytes); why it cannot start (a sized engine larger than the
+    GPU), in one line; why the base's engine, `pair`, cannot load beside it for paired passes (the two do not fit
+    the GPU together: each is then timed in a process of its own, as an unpaired scenario is)."""
+    gpu = model_memory.gpu_bytes() if opts.device == "cuda" else None
+    need = start_memory_bytes(opts, model_path, engine_name)
+    stage = model_memory.StageNeed(f"{engine_name}'s engine on {Path(model_path).name}", {"engine": need})
+    too_big = stage.over(gpu) if opts.kv_cache_memory_bytes else None
+    unpaired = model_memory.pair_problem(need, start_memory_bytes(pair[1], pair[0], engine_name), gpu) if pair else None
+    return need, too_big, unpaired
