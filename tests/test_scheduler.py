@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -26,6 +27,20 @@ from tests.test_deployment import CATALOG, EVALUATE, client, deployment_runs, wa
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "quantgate.flows.cli"]
+PG_URL = "PREFECT_API_DATABASE_CONNECTION_URL"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def prefect_database(request) -> Iterator[dict[str, str]]:
+    """The server's database, as the settings that choose it: SQLite is Prefect's default (none), PostgreSQL a server
+    of the test's own (tests/postgres.py), stopped after the Prefect server the test stops in its own `finally`."""
+    if request.param == "sqlite":
+        yield {}
+        return
+    if postgres.server_bin() is None:
+        pytest.skip("PostgreSQL's server is not installed (apt-get install postgresql; .ci/run does)")
+    with postgres.postgres_server() as conninfo:
+        yield {PG_URL: postgres.database(conninfo, "prefect")}
 
 
 def cron_deployments() -> dict[str, str]:
@@ -48,14 +63,8 @@ def scheduled(c, name: str) -> list:
     return [r for r in deployment_runs(c, name) if r.state and r.state.is_scheduled()]
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
-def test_every_cron_deployment_gets_scheduled_runs_and_the_server_logs_no_error(tmp_path, database):
-    extra = {store.ENV_VAR: str(tmp_path / "w.ducklake")}
-    if database == "postgresql":
-        if postgres.server_bin() is None:
-            pytest.skip("PostgreSQL's server is not installed (apt-get install postgresql; .ci/run does)")
-        pg = postgres.postgres_server()
-        extra["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.database(pg.__enter__(), "prefect")
+def test_every_cron_deployment_gets_scheduled_runs_and_the_server_logs_no_error(tmp_path, prefect_database):
+    extra = {store.ENV_VAR: str(tmp_path / "w.ducklake"), **prefect_database}
     crons = cron_deployments()
     assert set(crons) == {"nightly/nightly", "watch-releases/watch-releases",
                           "warehouse-maintenance/warehouse-maintenance"}
@@ -77,25 +86,18 @@ def test_every_cron_deployment_gets_scheduled_runs_and_the_server_logs_no_error(
         assert errors == []
     finally:
         server.__exit__(None, None, None)
-        if database == "postgresql":
-            pg.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
-def test_a_schedule_due_within_the_minute_runs_on_a_worker_to_completed_with_its_warehouse_row(tmp_path, database):
+def test_a_schedule_due_within_the_minute_runs_on_a_worker_to_completed_with_its_warehouse_row(tmp_path,
+                                                                                               prefect_database):
     if not TINY_MODEL.exists():
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
     catalog = tmp_path / "catalog.yaml"
     catalog.write_text(CATALOG.format(model=TINY_MODEL, suite="quick"))
     warehouse = str(tmp_path / "w.ducklake")
     extra = {store.ENV_VAR: warehouse, "QUANTGATE_HOME": str(tmp_path / "work"), "HF_HUB_OFFLINE": "1",
-             "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PREFECT_WORKER_QUERY_SECONDS": "2"}
-    pg = None
-    if database == "postgresql":
-        if postgres.server_bin() is None:
-            pytest.skip("PostgreSQL's server is not installed (apt-get install postgresql; .ci/run does)")
-        pg = postgres.postgres_server()
-        extra["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.database(pg.__enter__(), "prefect")
+             "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PREFECT_WORKER_QUERY_SECONDS": "2",
+             **prefect_database}
     server, url, env, log = deploy(tmp_path, extra)
     worker = None
     try:
@@ -129,10 +131,8 @@ def test_a_schedule_due_within_the_minute_runs_on_a_worker_to_completed_with_its
         # On SQLite, the worker's polls while the run writes its states and logs meet "database is locked" now and
         # then (Prefect's server on SQLite is for one machine; docs/deployment.md): none of them the scheduler's.
         assert [e for e in errors if "schedule" in e] == []
-        assert database == "sqlite" or errors == []
+        assert PG_URL not in prefect_database or errors == []
     finally:
         if worker is not None:
             prefect_server.stop(worker)
         server.__exit__(None, None, None)
-        if pg is not None:
-            pg.__exit__(None, None, None)
