@@ -14,6 +14,32 @@ RANDOM_WEIGHTS = "random weights (a run on the model's shape): quality is not me
 
 
 @dataclass(frozen=True)
+class Provenance:
+    """Whether a base's weights passed through quantization before quantgate got them, and as what: a GGUF file
+    (its quant type: `Q4_K_M`; F32, F16 and BF16 files are not quantized), a checkpoint whose config.json carries a
+    `quantization_config` (its `quant_method`: fp8, gptq, awq, compressed-tensors) or one saved by bitsandbytes.
+    A variant's recovery is a ratio to such a base, so it says what a second quantization kept of an already
+    quantized model, not of the 16-bit release; verdicts and reports say so in the words of `label`."""
+
+    quantized: bool
+    via: Literal["gguf", "quantization_config", "bitsandbytes"]
+    # The GGUF's file type (Q4_K_M), or the config's quant_method (fp8) or bitsandbytes' type (nf4, int8).
+    quant_type: str | None = None
+    bits: int | None = None
+    # Where it was read: the GGUF's general.file_type, its tensor types, its file name, or config.json.
+    evidence: str = ""
+
+    @property
+    def label(self) -> str:
+        """How verdicts name the base: `Q4_K_M GGUF`, `8-bit fp8 (quantization_config)`, `bitsandbytes 4-bit nf4`."""
+        kind = self.quant_type or "quantized"
+        if self.via == "gguf":
+            return f"{kind} GGUF"
+        bits = f"{self.bits}-bit " if self.bits else ""
+        return f"bitsandbytes {bits}{kind}" if self.via == "bitsandbytes" else f"{bits}{kind} (quantization_config)"
+
+
+@dataclass(frozen=True)
 class ModelArtifact:
     """A model checkpoint on local disk, identified by content (local) or commit (hub)."""
 
@@ -28,6 +54,8 @@ class ModelArtifact:
     # A run on the model's shape (a `shape` source): its weights are random, so its speed, memory and time are
     # real and its quality is not measured.
     random_weights: bool = False
+    # Whether the weights passed through quantization before quantgate got them (None: no sign that they did).
+    provenance: Provenance | None = None
 
     @property
     def uid(self) -> str:

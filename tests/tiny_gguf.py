@@ -1,5 +1,6 @@
 """GGUF files for tests, written with the gguf library from the shared stories260k model (llama, vocab 512):
-float32 tensors, its sentencepiece vocabulary, and optionally an output matrix of its own."""
+float32 tensors (or its matrices quantized, as llama.cpp's quantized files hold them), its sentencepiece vocabulary,
+and optionally an output matrix of its own."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ _LAYER_TENSORS = {
 }
 
 
-def write_stories_gguf(model_dir: Path, out: Path, *, output_matrix: np.ndarray | None = None) -> Path:
+def write_stories_gguf(model_dir: Path, out: Path, *, output_matrix: np.ndarray | None = None,
+                       quantized: tuple[int, int] | None = None) -> Path:
     """stories260k as a GGUF file at `out`; `output_matrix` (vocab × hidden) is stored as output.weight,
-    apart from the embeddings, which leaves the model untied."""
+    apart from the embeddings, which leaves the model untied. `quantized` (a GGMLQuantizationType, a LlamaFileType,
+    e.g. Q8_0 and MOSTLY_Q8_0) stores every matrix in that type and says the file type in the header; the norms stay
+    float32, as in llama.cpp's files."""
     import gguf
     import sentencepiece
     from safetensors.numpy import load_file
@@ -40,12 +44,22 @@ def write_stories_gguf(model_dir: Path, out: Path, *, output_matrix: np.ndarray 
     writer.add_token_types([_token_type(sp, i) for i in ids])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+
+    def add(name: str, value: np.ndarray) -> None:
+        if quantized is None or value.ndim < 2:
+            writer.add_tensor(name, value)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(value, gguf.GGMLQuantizationType(quantized[0])),
+                              raw_dtype=gguf.GGMLQuantizationType(quantized[0]))
+
+    if quantized is not None:
+        writer.add_file_type(quantized[1])
+    add("token_embd.weight", weights["model.embed_tokens.weight"])
+    add("output_norm.weight", weights["model.norm.weight"])
     for name, value in weights.items():
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
-            writer.add_tensor(f"blk.{layer}.{_LAYER_TENSORS[rest.removesuffix('.weight')]}.weight", value)
+            add(f"blk.{layer}.{_LAYER_TENSORS[rest.removesuffix('.weight')]}.weight", value)
     if output_matrix is not None:
         writer.add_tensor("output.weight", output_matrix.astype(np.float32))
     writer.write_header_to_file()

@@ -17,7 +17,7 @@ import duckdb
 
 from quantgate.catalog.errors import one_line
 from quantgate.catalog.records import (
-    Decision, MetricResult, ModelArtifact, QualityReport, ServingLoad, Slo, SpeedResult, VariantArtifact,
+    Decision, MetricResult, ModelArtifact, Provenance, QualityReport, ServingLoad, Slo, SpeedResult, VariantArtifact,
 )
 from quantgate.catalog.settings import Settings, settings
 from quantgate.warehouse import lake
@@ -509,8 +509,10 @@ def decision_evidence(con, run_id: str, gated: Sequence[tuple[str, str]]) -> Dec
     def view(name: str) -> list[dict[str, Any]]:
         return rows(con, f"SELECT * FROM {name} WHERE run_id = ?", [run_id])
 
-    # The model's random_weights beside each variant: a run on a model's shape measures no quality.
-    variants = rows(con, "SELECT v.*, coalesce(m.random_weights, false) AS random_weights FROM variants v"
+    # The model's random_weights beside each variant (a run on a model's shape measures no quality), and whether
+    # its weights passed through quantization before (its provenance, as verdicts name it).
+    variants = rows(con, "SELECT v.*, coalesce(m.random_weights, false) AS random_weights,"
+                         " m.prequantized AS base_prequantized, m.provenance AS base_provenance FROM variants v"
                          " JOIN run_variants rv USING (variant_uid) LEFT JOIN models m USING (model_uid)"
                          " WHERE rv.run_id = ? AND rv.role = 'variant'", [run_id])
     return DecisionEvidence(variants, view("variant_recovery"), view("variant_speedup"),
@@ -583,8 +585,19 @@ def completed_stages(con, run_id: str) -> dict[tuple[str, str], str | None]:
 
 def model_of(con, model_uid: str) -> ModelArtifact | None:
     row = con.execute("SELECT model_id, path, source, revision, sha, architecture, num_parameters, size_bytes,"
-                      " coalesce(random_weights, false) FROM models WHERE model_uid = ?", [model_uid]).fetchone()
-    return None if row is None else ModelArtifact(*row)
+                      " coalesce(random_weights, false), provenance_detail FROM models WHERE model_uid = ?",
+                      [model_uid]).fetchone()
+    if row is None:
+        return None
+    detail = json.loads(row[-1]) if isinstance(row[-1], str) else row[-1]
+    return ModelArtifact(*row[:-1], provenance=Provenance(**detail) if detail else None)
+
+
+def _provenance(model: ModelArtifact) -> dict[str, Any]:
+    """A model's provenance columns: a model with none found is not prequantized (stored, unlike NULL: unknown)."""
+    p = model.provenance
+    return {"prequantized": bool(p and p.quantized), "provenance": p.label if p else None,
+            "provenance_detail": _json(asdict(p)) if p else None}
 
 
 def run_variant(con, run_id: str, variant_uid: str) -> dict[str, Any] | None:
@@ -605,7 +618,13 @@ def record_model(con, run_id: str, model: ModelArtifact) -> None:
         _insert_new(con, "models", {"model_uid": model.uid}, {
             "model_id": model.model_id, "source": model.source, "revision": model.revision, "sha": model.sha,
             "path": model.path, "architecture": model.architecture, "num_parameters": model.num_parameters,
-            "size_bytes": model.size_bytes, "random_weights": model.random_weights, "first_run_id": run_id})
+            "size_bytes": model.size_bytes, "random_weights": model.random_weights, **_provenance(model),
+            "first_run_id": run_id})
+        # A row stored before migration 0015 has no provenance: this run's reading of the same checkpoint is it.
+        if con.execute("SELECT 1 FROM models WHERE model_uid = ? AND prequantized IS NULL", [model.uid]).fetchone():
+            values = _provenance(model)
+            con.execute(f"UPDATE models SET {', '.join(f'{c} = ?' for c in values)} WHERE model_uid = ?",
+                        [*values.values(), model.uid])
 
 
 def record_variant(con, run_id: str, v: VariantArtifact, role: str) -> None:

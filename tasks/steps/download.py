@@ -24,13 +24,14 @@ from prefect import task
 
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.models import ModelSpec
-from quantgate.catalog.records import ModelArtifact
+from quantgate.catalog.records import ModelArtifact, Provenance
 from quantgate.catalog.settings import settings
 from quantgate.catalog.sources import (
     GgufParts, GgufSource, HubSource, LocalSource, ShapeSource, shape_config, shape_generation_config,
 )
 from quantgate.tasks.adapters import gguf_parts
 from quantgate.tasks.adapters.dummy_weights import DummyWeightsError, write_dummy_checkpoint
+from quantgate.tasks.adapters.provenance import config_provenance, gguf_name_provenance, gguf_provenance
 from quantgate.tasks.runtime import faults
 from quantgate.tasks.runtime.files import write_atomic
 
@@ -82,7 +83,8 @@ def fetch_model(
         path, sha = _fetch_gguf(spec.id, src, cache_dir)
         revision = None
     faults.point("download")
-    return _describe(spec, src.kind, path, revision, sha)
+    gguf = _gguf_provenance(spec.id, src, cache_dir) if isinstance(src, GgufSource) else None
+    return _describe(spec, src.kind, path, revision, sha, gguf)
 
 
 # --- hub ---------------------------------------------------------------------------------------
@@ -429,6 +431,18 @@ def _dequantize_to(model_id: str, gguf: Path, folder: Path, dtype_name: str) -> 
     tokenizer.save_pretrained(folder)
 
 
+def _gguf_provenance(model_id: str, src: GgufSource, cache_dir: Path) -> Provenance:
+    """The GGUF's quant type, from the file where it is at hand; from its name where the assembled file of a
+    conversion made earlier is gone (the dequantized checkpoint no longer says: it holds 16-bit weights)."""
+    if src.parts is not None:
+        gguf = gguf_parts.assembled_path(src.parts, src.file, cache_dir)
+        if not gguf.is_file():
+            return gguf_name_provenance(src.file) or Provenance(True, "gguf", evidence="a GGUF file no longer at hand")
+    else:
+        gguf = _locate_gguf(model_id, src)
+    return gguf_provenance(gguf)
+
+
 def _has_output_matrix(gguf: Path) -> bool:
     """Whether the GGUF file stores an output matrix (output.weight) of its own, apart from its embeddings."""
     from gguf import GGUFReader
@@ -495,7 +509,8 @@ def _fetch_shape(model_id: str, src: ShapeSource, cache_dir: Path) -> tuple[Path
 # --- description -------------------------------------------------------------------------------
 
 
-def _describe(spec: ModelSpec, kind: str, path: Path, revision: str | None, sha: str) -> ModelArtifact:
+def _describe(spec: ModelSpec, kind: str, path: Path, revision: str | None, sha: str,
+              gguf: Provenance | None = None) -> ModelArtifact:
     _check_is_model(spec.id, path)
     try:
         config = json.loads((path / "config.json").read_text())
@@ -513,6 +528,8 @@ def _describe(spec: ModelSpec, kind: str, path: Path, revision: str | None, sha:
         num_parameters=count_parameters(weights, tied=bool(config.get("tie_word_embeddings"))),
         size_bytes=sum(w.stat().st_size for w in weights),
         random_weights=kind == "shape",
+        # A GGUF's dequantized config no longer carries its quantization: the file said it (`gguf`).
+        provenance=gguf or config_provenance(config),
     )
 
 
