@@ -15,22 +15,31 @@ FRACTION_METRICS = ("acc", "acc_norm", "exact_match")
 
 class PublishedFigure(Strict):
     """A score the model's makers published for one of its gated checks (a quality gate's task and metric),
-    shown beside the base's measured value (benchmarks/readme_verdicts.py); no gate reads it. `value` is in
-    the metric's own units as lm-eval reports it (accuracy 0.602, not 60.2); `protocol` is the publisher's
-    (shots, chain of thought, base or instruct model); `source` cites where it is printed (document, version,
-    table)."""
+    shown beside the base's measured value (benchmarks/readme_verdicts.py). `value` is in the metric's own units
+    as lm-eval reports it (accuracy 0.602, not 60.2); `protocol` is the publisher's (shots, chain of thought, base
+    or instruct model); `source` cites where it is printed (document, version, table).
+
+    `tolerance` is how far, in the same units, the protocol differences the entry states may move the base from
+    `value`: with it, the decision checks the base (tasks/steps/decide.py): a base whose interval lies wholly
+    outside value ± tolerance does not measure like the model it claims to be (a wrong chat template, a broken
+    conversion, a truncated download), and every variant's verdict is not_comparable. Without it the figure is
+    shown, never checked."""
 
     task: str
     metric: str
     value: float = Field(ge=0, allow_inf_nan=False)
     protocol: str = Field(min_length=1)
     source: str = Field(min_length=1)
+    tolerance: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _fraction(self) -> PublishedFigure:
         if self.metric in FRACTION_METRICS and self.value > 1:
             raise ValueError(f"{self.metric} is a fraction in [0, 1], got {self.value:g}"
                              f" (a percentage? write {self.value / 100:g})")
+        if self.metric in FRACTION_METRICS and self.tolerance is not None and self.tolerance > 1:
+            raise ValueError(f"tolerance of a fraction is a fraction too, got {self.tolerance:g}"
+                             f" (a percentage? write {self.tolerance / 100:g})")
         return self
 
 
@@ -62,7 +71,8 @@ class ModelSpec(Strict):
     trust_remote_code: bool = False
     # A model's own acceptance policy (a file beside the catalog), e.g. to leave out a task it is at chance on.
     policy: Policy | None = None
-    # Published figures for its gated checks, one per check, with their source: shown beside the base's scores.
+    # Published figures for its gated checks, one per check, with their source: shown beside the base's scores and,
+    # with a tolerance, checked against them (not_comparable outside it).
     published: tuple[PublishedFigure, ...] = ()
     # Published recoveries of quantized builds of the nearest model their publisher measured, with their source.
     published_recoveries: tuple[PublishedRecovery, ...] = ()

@@ -63,6 +63,16 @@ class Policy(Strict):
     # when its upper bound does not, and is inconclusive in between.
     confidence: float = Field(default=0.95, ge=0.5, lt=1.0)
     use_lower_bound: bool = True
+    # A base whose weights passed through quantization before the run (a GGUF's Q4_K_M, a checkpoint's
+    # quantization_config, bitsandbytes): every recovery is against that quantized model, not the 16-bit release.
+    # `allow` lets such a base carry an accept, labelled ("recoveries are against a Q4_K_M GGUF base");
+    # `inconclusive` makes that accept inconclusive, with the reason (a reject stays a reject).
+    quantized_base: Literal["allow", "inconclusive"] = "allow"
+    # The largest gain over the base (recovery - 1) that rounding the weights explains: a perturbation can gain a
+    # little by chance (Qwen2-1.5B-Instruct's GPTQ-Int8 scored 1.011 of its bf16 MMLU in Qwen's own table). A check
+    # whose interval's lower bound lies above 1 + max_gain is `anomalous` (a leak, a bug), and the verdict is
+    # not_comparable.
+    max_gain: float = Field(default=0.02, ge=0, le=1)
 
     @property
     def hash(self) -> str:

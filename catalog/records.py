@@ -198,12 +198,19 @@ class SpeedResult:
         return asdict(self)
 
 
-Verdict = Literal["accept", "reject", "inconclusive"]
-CheckKind = Literal["build", "quality", "speed", "serving", "size"]
+# not_comparable: no verdict, because the ratios it would rest on are not to be trusted: the base measured outside
+# its published figure's tolerance, or a variant scored above its base by more than rounding explains.
+Verdict = Literal["accept", "reject", "inconclusive", "not_comparable"]
+# baseline: the base itself, against its published figures and by its provenance (whether its weights passed
+# through quantization before the run).
+CheckKind = Literal["build", "quality", "speed", "serving", "size", "baseline"]
 # not_measured: no evidence either way (an engine not run, an optional gate without a recovery).
 # uninformative: measured, but the base is not clearly above the metric's chance level there, so the metric
 # cannot tell what a build kept: it never passes, fails or decides.
-CheckOutcome = Literal["pass", "fail", "inconclusive", "not_measured", "uninformative"]
+# not_comparable: a baseline check whose base measured outside its published figure's tolerance.
+# anomalous: a quality check whose variant scored above its base beyond the interval's noise and rounding's gain.
+# Either makes the verdict not_comparable.
+CheckOutcome = Literal["pass", "fail", "inconclusive", "not_measured", "uninformative", "not_comparable", "anomalous"]
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from rich.table import Table
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.load import load_catalog
 from quantgate.catalog.paths import DEFAULT_CATALOG
-from quantgate.catalog.records import RANDOM_WEIGHTS
 from quantgate.catalog.selection import adhoc_model, resolve_variants
 from quantgate.flows import interrupts
+from quantgate.flows.verdicts import cell, model_notes, verdict_row
 from quantgate.warehouse import store
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Gate quantized LLM builds on quality and speed.")
@@ -93,13 +93,12 @@ def run(
                               warehouse=str(warehouse) if warehouse else None, variants=chosen,
                               workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
                               remeasure=remeasure, gpus=gpus)
-    verdicts = [_verdict(r) for r in card]
+    verdicts = [verdict_row(r) for r in card]
     if fmt != "table":
         _print_frame(verdicts, fmt)
         return
-    if card and card[0]["random_weights"]:
-        console.print(f"{card[0]['model_id']}: {RANDOM_WEIGHTS}; its speed, memory and time are the model's",
-                      highlight=False)
+    for note in model_notes(card):
+        console.print(note, highlight=False)
     _print_rows(verdicts, ["variant", "decision", "deciding_check", "size", "speedup"], width=TABLE_WIDTH)
     if card:
         model_id = card[0]["model_id"]
@@ -112,26 +111,6 @@ def run(
         for t in timeline:
             console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
                           f"{t['engine_starts']} engine start(s)")
-
-
-def _verdict(row: dict) -> dict:
-    """A scorecard row as the end of a run shows it: the verdict first, then the check that made it (its value
-    against its threshold; none for an accept), size and speedup over the base, and whether the model's weights were
-    random (the table says that in a line above it; csv and json, read by scripts, on every row)."""
-    if row["deciding_check"] is None:
-        deciding = "every check passed" if row["decision"] == "accept" else row["reason"].split(": ", 1)[-1]
-    elif row["deciding_value"] is None:  # a check with no figure of its own, e.g. no informative quality gate
-        deciding = row["deciding_check"]
-    else:
-        deciding = f"{row['deciding_check']} {_cell(row['deciding_value'])}"
-        if row["deciding_threshold"] is not None:
-            deciding += f" vs {_cell(row['deciding_threshold'])}"
-        if row["items_to_decide"]:
-            deciding += f"; ~{row['items_to_decide']:,} items would decide"
-    times = lambda x: None if x is None else f"{x:.2f}x"  # noqa: E731
-    return {"variant": row["variant"], "decision": row["decision"], "deciding_check": deciding,
-            "size": times(row["size_ratio"]), "speedup": times(row["speedup"]),
-            "random_weights": bool(row["random_weights"])}
 
 
 @app.command()
@@ -382,6 +361,9 @@ def report(
                             "change", "basis"])
     else:
         console.print("No regressions: nothing moved beyond noise since the previous run.")
+    for model_id in sorted({r["model_id"] for r in rows}):
+        for note in model_notes([r for r in rows if r["model_id"] == model_id]):
+            console.print(note, highlight=False)
     _print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "quality_lower_bound", "kl",
                        "long_context", "flip_rate", "speedup", "speedup_basis", "decision", "reason"])
 
@@ -462,19 +444,9 @@ def _print_rows(rows: list[dict], columns: list[str], width: int | None = None) 
     for c in columns:
         table.add_column(c, overflow="fold")
     for r in rows:
-        table.add_row(*[_cell(r.get(c)) for c in columns])
+        table.add_row(*[cell(r.get(c)) for c in columns])
     console.print(table)
     console.print(f"{len(rows)} row{'s' if len(rows) != 1 else ''}")
-
-
-def _cell(v: object) -> str:
-    if v is None:
-        return "NULL"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, (dict, list)):
-        return json.dumps(v)
-    return str(v)
 
 
 def main() -> None:

@@ -528,7 +528,9 @@ def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> 
 
     def compute(con: Any) -> list[Decision]:
         evidence = store.decision_evidence(con, run_id, [(g.task, g.metric) for g in policy.quality])
-        return [decide_task(row, base.size_bytes, policy=policy, **evidence.of(row["variant_uid"]))
+        # The model's published figures: the base is checked against those that state a tolerance.
+        return [decide_task(row, base.size_bytes, policy=policy, published=spec.published,
+                            **evidence.of(row["variant_uid"]))
                 for row in evidence.variants]
 
     if run.is_done("decide"):

@@ -37,9 +37,12 @@ def legacy_warehouse(path: Path, tables: Path, upto: int = 11, views: bool = Tru
         both = ", ".join(f'"{c}"' for c in ours if c in theirs)
         con.execute(f"INSERT INTO {name} ({both}) SELECT {both} FROM read_parquet(?)", [str(file)])
     if views:
-        # Today's views read models.random_weights (lake migration 0013, after the legacy schema): the old file gets
-        # the column with the value every model of its time had, so that the views can be created on it.
+        # Today's views read models.random_weights (lake migration 0013, after the legacy schema) and the base's
+        # provenance (0015): the old file gets the columns with the value every model of its time had (provenance not
+        # recorded), so that the views can be created on it.
         con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS random_weights BOOLEAN DEFAULT false")
+        con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS prequantized BOOLEAN")
+        con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS provenance VARCHAR")
         for view in sorted(store.VIEWS.glob("*.sql")):
             con.execute(view.read_text())
     con.close()

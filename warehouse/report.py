@@ -15,7 +15,8 @@ from quantgate.catalog.records import RANDOM_WEIGHTS
 from quantgate.warehouse import store
 
 ACCEPT, REJECT, INCONCLUSIVE, BASE, GRID = "#2e7d32", "#c62828", "#f9a825", "#607d8b", "#e0e0e0"
-VERDICT_COLOURS = {"accept": ACCEPT, "reject": REJECT, "inconclusive": INCONCLUSIVE}
+NOT_COMPARABLE = "#6a1b9a"
+VERDICT_COLOURS = {"accept": ACCEPT, "reject": REJECT, "inconclusive": INCONCLUSIVE, "not_comparable": NOT_COMPARABLE}
 PALETTE = ("#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#283593")
 
 # The latest successful measurement of each (model, variant, engine, scenario[, load]) across runs of any
@@ -65,9 +66,11 @@ th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.accept td.decision{background:#c8e6c9;color:#1b5e20;font-weight:600}
 tr.reject td.decision{background:#ffcdd2;color:#b71c1c;font-weight:600}
 tr.inconclusive td.decision{background:#fff59d;color:#6d4c00;font-weight:600}
+tr.not_comparable td.decision{background:#e1bee7;color:#4a148c;font-weight:600}
 tr.flagged td{background:#fff3e0}td.build{white-space:nowrap}
 table.scorecard{width:100%}table.scorecard td.deciding{max-width:28em}
 td.details details{max-width:36em}td.details summary{cursor:pointer;color:#1565c0}td.details li.fail{color:#b71c1c}
+td.details li.not_comparable,td.details li.anomalous{color:#4a148c}
 td,th{overflow-wrap:anywhere}
 .charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff;border:1px solid #e0e0e0}
 svg text{font:11px system-ui,sans-serif;fill:#333}svg text.label{paint-order:stroke;stroke:#fff;stroke-width:3px}
@@ -153,6 +156,10 @@ def _scorecard(card: list[dict], checks: dict[tuple[str, str], list[dict]]) -> s
     shapes = sorted({r["model_id"] for r in card if r.get("random_weights")})
     shape_note = "".join(f"<p class='note shape-run'>{escape(m)}: a shape run with random weights: {escape(RANDOM_WEIGHTS)};"
                          " its speed, memory and time are the model's.</p>" for m in shapes)
+    quantized = sorted({(r["model_id"], r["base_provenance"]) for r in card if r.get("base_prequantized")})
+    shape_note += "".join(f"<p class='note provenance'>{escape(m)}: recoveries are against a {escape(label)} base (its"
+                          " weights passed through quantization before the run), not the 16-bit release.</p>"
+                          for m, label in quantized)
     return ("<h2>Scorecard</h2><p>Latest run of each model; the verdict and the check that decided it first, "
             "the full reason under <em>why</em>.</p>" + shape_note +
             f"<table class='scorecard'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
@@ -169,6 +176,8 @@ def _deciding(r: dict, checks: list[dict]) -> str:
             text += f": {value:.4g} vs {threshold:.4g}"
         if r.get("items_to_decide"):
             text += f"; ~{int(r['items_to_decide']):,} items would decide"
+        if r.get("deciding_outcome") in ("not_comparable", "anomalous"):
+            text += f" ({r['deciding_outcome'].replace('_', ' ')})"
         return text
     return deciding_check(r["decision"], checks) or _first_clause(r["reason"])
 

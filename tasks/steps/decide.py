@@ -1,22 +1,24 @@
-"""Accept, reject or call inconclusive a variant: a pure function of warehouse rows and the policy."""
+"""Accept, reject, call inconclusive or not comparable a variant: a pure function of warehouse rows, the policy and
+the model's published figures."""
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from prefect import task
 
+from quantgate.catalog.models import PublishedFigure
 from quantgate.catalog.policy import Policy, QualityGate
 from quantgate.catalog.records import RANDOM_WEIGHTS, CheckOutcome, Decision, DecisionCheck, Verdict
+from quantgate.tasks.steps.baseline import base_se, gate_rows, provenance_check, published_checks
 from quantgate.tasks.steps.quality_stats import (
     QualityStatsError, RecoveryInterval, delta_interval, items_to_decide, sample_interval, z_score,
 )
 
-# The reason lists failures first, then what the data could not decide, then the rest in policy order.
-_REASON_ORDER = {"fail": 0, "inconclusive": 1}
+# The reason lists what makes the verdict not comparable first, then failures, then what the data could not
+# decide, then the rest in policy order.
+_REASON_ORDER = {"not_comparable": 0, "anomalous": 0, "fail": 1, "inconclusive": 2}
 
 
 def _fmt(x: float) -> str:
@@ -43,18 +45,11 @@ def _interval(gate: QualityGate, row: dict[str, Any], items: Sequence[dict[str, 
 def _base_margin(row: dict[str, Any], items: Sequence[dict[str, Any]],
                  confidence: float) -> tuple[float, float, float] | None:
     """The base's margin over the metric's chance level with its interval at `confidence`, where the metric has
-    a chance level: the standard error from the base's per-item scores, else lm-eval's, else a 0/1 score's
-    binomial one over the items."""
+    a chance level (baseline.base_se: from the base's per-item scores, else lm-eval's, else binomial)."""
     chance, base = row.get("chance"), row["base_value"]
     if chance is None or base is None:
         return None
-    values = [s["base_value"] for s in items]
-    if len(values) > 1:
-        se = statistics.stdev(values) / math.sqrt(len(values))
-    elif (se := row.get("base_stderr")) is None or not math.isfinite(se):
-        n = row.get("n_samples")
-        se = math.sqrt(max(base * (1 - base), 0) / n) if n and 0 <= base <= 1 else 0.0
-    margin, half = base - chance, z_score(confidence) * se
+    margin, half = base - chance, z_score(confidence) * base_se(row, items)
     return margin, margin - half, margin + half
 
 
@@ -113,8 +108,7 @@ def _quality_check(policy: Policy, gate: QualityGate, recovery: Sequence[dict[st
                    formats: Sequence[dict[str, Any]] = ()) -> DecisionCheck:
     name = f"{gate.task}/{gate.metric}"
     about = {"kind": "quality", "name": name, "task": gate.task, "metric": gate.metric, "threshold": gate.min_recovery}
-    rows = sorted((r for r in recovery if r["task"] == gate.task and r["metric"] == gate.metric
-                   and gate.filter in (None, r["filter"])), key=lambda r: r["filter"] != "none")
+    rows = gate_rows(gate, recovery)
     if not rows or rows[0]["recovery"] is None:
         why = "not measured" if not rows else f"has no recovery (base {rows[0]['base_value']}, variant {rows[0]['variant_value']})"
         if gate.required:
@@ -131,20 +125,43 @@ def _quality_check(policy: Policy, gate: QualityGate, recovery: Sequence[dict[st
     flip = next((f for f in flips if (f["task"], f["metric"], f["filter"]) == key), None)
     point, threshold = (r["recovery_above_chance"] if above else r["recovery"]), gate.min_recovery
     lower, upper = (ci.lower, ci.upper) if ci else (None, None)
-    spread = lower is not None and upper is not None
-    items = ci.n_items if ci and ci.n_items else r.get("n_samples")
+    n = ci.n_items if ci and ci.n_items else r.get("n_samples")
     mde = ci.min_detectable_drop if ci else None
     outcome = _quality_outcome(policy, point, ci, threshold)
-    to_decide = (items_to_decide(items, point, lower, upper, threshold)
-                 if outcome == "inconclusive" and spread and items else None)
+    to_decide = (items_to_decide(n, point, lower, upper, threshold)
+                 if outcome == "inconclusive" and lower is not None and upper is not None and n else None)
+    loss = _format_loss(gate, r["filter"], formats) if gate.metric == "exact_match" else None
+    note = _quality_note(policy, f"{name} recovery{' above chance' if above else ''}", r, outcome, point, threshold,
+                         (lower, upper), [*_flip_evidence(flip), *_mde_evidence(mde)], above)
+    note += _quality_suffix(outcome, loss, lower is not None and upper is not None, to_decide, n)
+    # A gain beyond the interval's noise that rounding the weights cannot explain: a leak or a bug, not a verdict.
+    if lower is not None and lower > 1 + policy.max_gain:
+        outcome = "anomalous"
+        note += (f"; anomalous: the variant scores above its base beyond the interval's noise and rounding's gain"
+                 f" (lower bound {_fmt(lower)} > 1 + max_gain {policy.max_gain:g}): a leak or a bug, not comparable")
+    detail = {"confidence": policy.confidence, "interval": ci.method if ci else None, "filter": r["filter"],
+              "variant_value": r["variant_value"], "base_value": r["base_value"],
+              "flip_rate": flip["flip_rate"] if flip else None, "recovery_basis": "above_chance" if above else "plain",
+              "chance": r.get("chance"), "base_margin": margin[0] if margin else None, "format": loss}
+    return DecisionCheck(**about, outcome=outcome, note=note, value=point, lower=lower, upper=upper,
+                         min_detectable_drop=mde, items=n, items_to_decide=to_decide, detail=detail)
 
-    level = f"{policy.confidence * 100:g}%"
-    evidence = [f"variant {_fmt(r['variant_value'])} vs base {_fmt(r['base_value'])}"]
-    if flip:
-        evidence.append(f"{flip['flip_rate']:.1%} of {flip['n_items']} items flipped")
-    if mde is not None:
-        evidence.append(f"min detectable drop {mde:.2g}")
-    interval = f"{level} CI [{_fmt(lower)}, {_fmt(upper)}]" if spread else ""
+
+def _flip_evidence(flip: dict[str, Any] | None) -> list[str]:
+    return [f"{flip['flip_rate']:.1%} of {flip['n_items']} items flipped"] if flip else []
+
+
+def _mde_evidence(mde: float | None) -> list[str]:
+    return [f"min detectable drop {mde:.2g}"] if mde is not None else []
+
+
+def _quality_note(policy: Policy, what: str, r: dict[str, Any], outcome: CheckOutcome, point: float,
+                  threshold: float, bounds: tuple[float | None, float | None], extra: list[str], above: bool) -> str:
+    """A quality check's figures: recovery, its interval against the threshold, the scores and `extra` evidence."""
+    lower, upper = bounds
+    spread = lower is not None and upper is not None
+    evidence = [f"variant {_fmt(r['variant_value'])} vs base {_fmt(r['base_value'])}", *extra]
+    interval = f"{policy.confidence * 100:g}% CI [{_fmt(lower)}, {_fmt(upper)}]" if spread else ""
     if not policy.use_lower_bound:
         verdict = f"{'>=' if outcome == 'pass' else '<'} {threshold}"
         if spread:
@@ -157,22 +174,22 @@ def _quality_check(policy: Policy, gate: QualityGate, recovery: Sequence[dict[st
         verdict = f"({interval}) {'>=' if outcome == 'pass' else '<'} {threshold}"
     if above:
         evidence.append(f"chance {_fmt(r['chance'])}")
-    note = f"{name} recovery{' above chance' if above else ''} {_fmt(point)} {verdict} ({', '.join(evidence)})"
-    fmt = _format_loss(gate, r["filter"], formats) if gate.metric == "exact_match" else None
-    if fmt and outcome in ("fail", "inconclusive") and _mostly_format(fmt):
-        note += (f"; mostly format: {fmt['extracted_share']:.0%} of its answers in the {fmt['filter']} format vs the"
-                 f" base's {fmt['base_extracted_share']:.0%}, recovery {_fmt(fmt['other_recovery'])} under"
-                 f" {fmt['other_filter']}")
+    return f"{what} {_fmt(point)} {verdict} ({', '.join(evidence)})"
+
+
+def _quality_suffix(outcome: CheckOutcome, loss: dict[str, Any] | None, spread: bool, to_decide: int | None,
+                    n: int | None) -> str:
+    """What a failed or undecided quality check adds: how much of its loss is format, the items that would decide."""
+    note = ""
+    if loss and outcome in ("fail", "inconclusive") and _mostly_format(loss):
+        note += (f"; mostly format: {loss['extracted_share']:.0%} of its answers in the {loss['filter']} format vs the"
+                 f" base's {loss['base_extracted_share']:.0%}, recovery {_fmt(loss['other_recovery'])} under"
+                 f" {loss['other_filter']}")
     if outcome == "inconclusive" and spread:
         note += ": inconclusive"
         if to_decide:
-            note += f"; ~{_about(to_decide)} items would decide (have {items:,})"
-    detail = {"confidence": policy.confidence, "interval": ci.method if ci else None, "filter": r["filter"],
-              "variant_value": r["variant_value"], "base_value": r["base_value"],
-              "flip_rate": flip["flip_rate"] if flip else None, "recovery_basis": "above_chance" if above else "plain",
-              "chance": r.get("chance"), "base_margin": margin[0] if margin else None, "format": fmt}
-    return DecisionCheck(**about, outcome=outcome, note=note, value=point, lower=lower, upper=upper,
-                         min_detectable_drop=mde, items=items, items_to_decide=to_decide, detail=detail)
+            note += f"; ~{_about(to_decide)} items would decide (have {n:,})"
+    return note
 
 
 def _speed_check(policy: Policy, speed: Sequence[dict[str, Any]]) -> DecisionCheck | None:
@@ -274,8 +291,12 @@ def _no_informative_gate(quality: Sequence[DecisionCheck], random_weights: bool 
 
 
 def verdict_of(checks: Sequence[DecisionCheck]) -> Verdict:
-    """reject when any check fails, inconclusive when none fails but one could not be decided, else accept."""
+    """not_comparable when the base measured outside its published figure or a variant scored anomalously above
+    it (every ratio is then suspect, a failed one too), else reject when any check fails, inconclusive when none
+    fails but one could not be decided, else accept."""
     outcomes = {c.outcome for c in checks}
+    if outcomes & {"not_comparable", "anomalous"}:
+        return "not_comparable"
     return "reject" if "fail" in outcomes else "inconclusive" if "inconclusive" in outcomes else "accept"
 
 
@@ -289,11 +310,14 @@ def decide(
     flips: Sequence[dict[str, Any]] = (),
     serving: Sequence[dict[str, Any]] = (),
     formats: Sequence[dict[str, Any]] = (),
+    published: Sequence[PublishedFigure] = (),
 ) -> Decision:
     """`variant` is a row of `variants`; `recovery`, `speed`, `samples`, `flips`, `serving` and `formats` are its
     rows of the views `variant_recovery`, `variant_speedup`, `variant_paired_samples`, `variant_flips`,
     `variant_serving` and `variant_answer_format`. A variant row whose `random_weights` is true (its model's, a run
-    on the model's shape) has every quality gate uninformative: its speed, serving and size checks decide as usual."""
+    on the model's shape) has every quality gate uninformative: its speed, serving and size checks decide as usual.
+    Its `base_prequantized` and `base_provenance` (its model's) label the verdict (baseline.provenance_check);
+    `published` are the model's published figures, each with a tolerance checked against the base's score."""
     uid = variant["variant_uid"]
     if variant["status"] != "built":
         # A skipped variant (its backend cannot run where the flow ran) was never measured: not accepted.
@@ -305,11 +329,14 @@ def decide(
                for gate in policy.quality]
     if (blind := _no_informative_gate(quality, random_weights)) is not None:
         quality.append(blind)
+    # Random weights score noise: no published figure is theirs.
+    baseline = [] if random_weights else published_checks(policy, published, recovery, samples)
     speed_check = _speed_check(policy, speed)
     size_check = _size_check(policy, variant.get("size_bytes"), base_size_bytes)
-    checks = [c for c in (*quality, speed_check, _serving_check(policy, serving), size_check) if c is not None]
+    checks = [c for c in (*baseline, *quality, speed_check, _serving_check(policy, serving), size_check,
+                          provenance_check(policy, variant)) if c is not None]
     verdict = verdict_of(checks)
-    ordered = sorted(checks, key=lambda c: _REASON_ORDER.get(c.outcome, 2))
+    ordered = sorted(checks, key=lambda c: _REASON_ORDER.get(c.outcome, 3))
     lowers = [c.lower for c in quality if c.lower is not None]
     values = [c.value for c in quality if c.value is not None]
     flip_rates = [c.detail["flip_rate"] for c in quality if c.detail.get("flip_rate") is not None]

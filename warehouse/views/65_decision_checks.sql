@@ -1,12 +1,14 @@
 -- What each decision rested on, from its rows in decision_checks (decisions written before migration 0009
 -- have none: their verdict and reason still show, these views just have no row for them).
 
--- The check that made the verdict: the first that failed, else the first inconclusive; none for an accept.
+-- The check that made the verdict: the first that made it not comparable (a base outside its published figure, a
+-- variant anomalously above its base), else the first that failed, else the first inconclusive; none for an accept.
 CREATE OR REPLACE VIEW deciding_check AS
 SELECT run_id, variant_uid, position, kind, name, outcome, value, lower, upper, threshold, items, items_to_decide, note
 FROM decision_checks
-WHERE outcome IN ('fail', 'inconclusive')
-QUALIFY row_number() OVER (PARTITION BY run_id, variant_uid ORDER BY outcome <> 'fail', position) = 1;
+WHERE outcome IN ('not_comparable', 'anomalous', 'fail', 'inconclusive')
+QUALIFY row_number() OVER (PARTITION BY run_id, variant_uid
+                           ORDER BY CASE outcome WHEN 'fail' THEN 1 WHEN 'inconclusive' THEN 2 ELSE 0 END, position) = 1;
 
 -- The least powered quality gate of a decision: the largest recovery drop its items could not resolve.
 CREATE OR REPLACE VIEW decision_power AS

@@ -8,6 +8,7 @@
 --   decision a model's latest run against its previous one, per variant name: the verdict, ranked
 --            accept (2) > inconclusive (1) > reject (0) in value / previous_value, the two verdicts in basis
 --            ('accept → inconclusive'); any step down is worse (no noise band: a verdict already accounts for it).
+--            not_comparable has no rank (change 'unknown'): it says the base could not be trusted, not the variant.
 -- Noise bands: quality and recovery move beyond noise when |Δ| > 2 × the combined stderr, sqrt(se₁² + se₂²)
 -- (recovery stderr by the delta method, base and variant taken as independent: conservative); speed when
 -- |Δ| > 10% of the previous tokens_per_s, a fixed constant (medians of a few repetitions on a shared
@@ -95,8 +96,9 @@ recipe AS (
 verdict AS (
     SELECT 'decision' AS kind, l.model_id, l.variant_uid, p.variant_uid AS previous_variant_uid,
            l.run_id, p.run_id AS previous_run_id, 'decision' AS measure,
-           CASE dp.decision WHEN 'accept' THEN 2 WHEN 'inconclusive' THEN 1 ELSE 0 END::DOUBLE AS previous_value,
-           CASE dl.decision WHEN 'accept' THEN 2 WHEN 'inconclusive' THEN 1 ELSE 0 END::DOUBLE AS value,
+           CASE dp.decision WHEN 'accept' THEN 2 WHEN 'inconclusive' THEN 1 WHEN 'reject' THEN 0 END::DOUBLE
+               AS previous_value,
+           CASE dl.decision WHEN 'accept' THEN 2 WHEN 'inconclusive' THEN 1 WHEN 'reject' THEN 0 END::DOUBLE AS value,
            0.0 AS noise, true AS higher_is_better, dp.decision || ' → ' || dl.decision AS basis
     FROM named l
     JOIN named p ON p.model_id = l.model_id AND p.name = l.name AND p.k = 2

@@ -1,5 +1,7 @@
 -- One row per variant of the latest run of each model: what it is, how good, how fast, the verdict; random_weights
--- marks a run on the model's shape (random weights: speed, memory and time real, quality not measured).
+-- marks a run on the model's shape (random weights: speed, memory and time real, quality not measured);
+-- base_prequantized and base_provenance say whether the base's weights passed through quantization before the run
+-- (a Q4_K_M GGUF: every recovery is against a 4-bit model, not the 16-bit release; NULL: not recorded).
 CREATE OR REPLACE VIEW latest_runs AS
 SELECT * EXCLUDE (rn) FROM (
     SELECT r.*, row_number() OVER (PARTITION BY model_id ORDER BY started_at DESC) AS rn
@@ -41,7 +43,8 @@ SELECT r.model_id, v.name AS variant, v.method, v.scheme, v.bits, v.group_size,
        rv.reused, CASE WHEN v.skipped THEN 'skipped' ELSE v.status END AS build_status, r.run_id, r.started_at,
        v.variant_uid, d.policy_hash, c.usd_per_million_tokens, c.cost_basis, sv.serving_goodput_ratio,
        sv.serving_config, dc.name AS deciding_check, dc.value AS deciding_value, dc.threshold AS deciding_threshold,
-       dc.items_to_decide, pw.min_detectable_drop, pw.power_basis, coalesce(mo.random_weights, false) AS random_weights
+       dc.items_to_decide, pw.min_detectable_drop, pw.power_basis, coalesce(mo.random_weights, false) AS random_weights,
+       mo.prequantized AS base_prequantized, mo.provenance AS base_provenance, dc.outcome AS deciding_outcome
 FROM latest_runs r
 JOIN run_variants rv ON rv.run_id = r.run_id AND rv.role = 'variant'
 JOIN variants v ON v.variant_uid = rv.variant_uid
