@@ -80,7 +80,8 @@ class VariantArtifact:
     size_bytes: int | None = None
     build_seconds: float | None = None
     peak_memory_bytes: int | None = None
-    # "skipped": not built because its backend cannot run here (bitsandbytes absent, no backend for the device).
+    # "skipped": not built because its backend cannot run here (bitsandbytes absent, no backend for the device), or
+    # refused before any work for its model's family (catalog/families.yaml).
     status: Literal["built", "failed", "skipped"] = "built"
     error: str | None = None
     reused: bool = False

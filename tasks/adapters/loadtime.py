@@ -48,7 +48,8 @@ def config_kwargs(spec: VariantSpec) -> dict[str, Any]:
     the dtype the variant is loaded in (a property of the evaluation, part of its eval key)."""
     if spec.method != "bnb":
         raise ValueError(f"variant {spec.name!r} is method {spec.method!r}, not bnb")
-    skip = list(spec.ignore)
+    # Transformers matches each skipped module as a regular expression: llm-compressor's `re:` prefix comes off.
+    skip = [p.removeprefix("re:") for p in spec.ignore]
     if spec.scheme == "int8":
         return {"load_in_8bit": True, "llm_int8_threshold": 6.0, "llm_int8_skip_modules": skip}
     return {"load_in_4bit": True, "bnb_4bit_quant_type": spec.scheme,

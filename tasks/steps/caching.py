@@ -91,9 +91,11 @@ def quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec
     if spec.load_time:
         uid = quantize.load_time_uid(model, spec)
     else:
+        # As the build makes its uid: the family's kept modules in the recipe, no calibration read for a refusal.
+        spec, refused = quantize.for_family(model, spec)
         _, recipe_hash = quantize.recipe_for(spec)
         calibration = None
-        if spec.needs_calibration:
+        if spec.needs_calibration and refused is None:
             calibration = load_calibration(calib, model.path).fingerprint
         uid = quantize.variant_uid(model, recipe_hash, quantize.lib_versions(), calibration)
     # The name is part of the key: the artifact carries it, and two names may share one recipe.

@@ -26,6 +26,7 @@ from prefect import task
 from safetensors import safe_open
 
 from quantgate.catalog.errors import one_line
+from quantgate.catalog.families import model_family
 from quantgate.catalog.records import CalibrationSamples, ModelArtifact, VariantArtifact
 from quantgate.catalog.variants import CalibrationSpec, VariantSpec
 from quantgate.tasks.adapters import model_memory
@@ -64,6 +65,16 @@ def recipe_for(spec: VariantSpec) -> tuple[str, str]:
 
     text = recipe_text(spec)
     return text, hashlib.sha256(text.encode()).hexdigest()
+
+
+def for_family(model: ModelArtifact, spec: VariantSpec) -> tuple[VariantSpec, str | None]:
+    """`spec` as `model`'s family builds it (the modules the family keeps in 16 bits added to its `ignore`:
+    catalog/families.yaml) and why the family refuses it (one line), or None. A family that keeps nothing more, or a
+    model of no listed family, gets the very spec: its recipe and uid, so its stored builds, stay as they were."""
+    family = model_family(model.path)
+    if family is None:
+        return spec, None
+    return family.apply(spec), family.refusal(spec)
 
 
 def variant_uid(
@@ -243,14 +254,16 @@ def build_variant(
 
     if spec.load_time:
         return build_load_time(model, spec, out_root, existing)
+    spec, refused = for_family(model, spec)
     versions = lib_versions()
     recipe, recipe_hash = recipe_for(spec)
-    samples = load_calibration(calib, model.path) if spec.needs_calibration else None
+    # A variant its family refuses is refused before any work: not even its calibration is read.
+    samples = load_calibration(calib, model.path) if spec.needs_calibration and refused is None else None
     uid = variant_uid(model, recipe_hash, versions, samples.fingerprint if samples else None)
     out_root = Path(out_root)
     final = out_root / uid
 
-    if (reused := _reusable(final, spec, uid, existing)) is not None:
+    if refused is None and (reused := _reusable(final, spec, uid, existing)) is not None:
         return reused
 
     built = VariantArtifact(
@@ -266,6 +279,8 @@ def build_variant(
         recipe_hash=recipe_hash,
         lib_versions=versions,
     )
+    if refused is not None:
+        return replace(built, path=None, status="skipped", error=f"{spec.name}: {refused}")
     out_root.mkdir(parents=True, exist_ok=True)
     _sweep_orphans(out_root, uid)
     tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.{_owner()}.", suffix=".tmp", dir=out_root))
@@ -304,7 +319,7 @@ def build_variant(
 
 def load_time_uid(model: ModelArtifact, spec: VariantSpec) -> str:
     """Uid of a load-time variant: base sha + bitsandbytes config + bitsandbytes and transformers versions."""
-    _, recipe_hash = recipe_for(spec)
+    _, recipe_hash = recipe_for(for_family(model, spec)[0])
     return variant_uid(model, recipe_hash, load_time_versions(), libs=LOAD_TIME_LIBS)
 
 
@@ -329,23 +344,25 @@ def build_load_time(
     machine's device (CUDA when there is one) to check that it loads and gives finite logits, and to
     measure its size in memory (Transformers' footprint of parameters and buffers in the checkpoint's
     dtype, the counterpart of the base's size on disk). The variant's folder then holds the base's small
-    files and the config (tasks.loadtime). Where bitsandbytes cannot run here the variant is "skipped"."""
+    files and the config (tasks.loadtime). Where bitsandbytes cannot run here, or the model's family
+    refuses it, the variant is "skipped"."""
     import torch
 
     from quantgate.tasks.adapters import loadtime
 
+    spec, refused = for_family(model, spec)
     versions = load_time_versions()
     recipe, recipe_hash = recipe_for(spec)
     uid = variant_uid(model, recipe_hash, versions, libs=LOAD_TIME_LIBS)
     final = Path(out_root) / uid
-    if (reused := _reusable(final, spec, uid, existing)) is not None:
+    if refused is None and (reused := _reusable(final, spec, uid, existing)) is not None:
         return reused
     built = VariantArtifact(
         uid=uid, model_uid=model.uid, name=spec.name, method=spec.method, scheme=spec.scheme, bits=spec.bits,
         group_size=None, path=str(final), recipe=recipe, recipe_hash=recipe_hash, lib_versions=versions,
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if (why := loadtime.unavailable(device)) is not None:
+    if (why := refused or loadtime.unavailable(device)) is not None:
         return replace(built, path=None, status="skipped", error=f"{spec.name}: {why}")
     Path(out_root).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.", suffix=".tmp", dir=out_root))
