@@ -1,8 +1,8 @@
 """catalog/families.yaml against tiny random-weight models of each family's real architecture (tests/tiny_families.py):
 its config finds its family, what a family keeps in 16 bits names modules it has, AWQ has llm-compressor's own
-mappings for it, a build of a mixture-of-experts keeps its router and shared-expert gate unquantized, a refused
-variant is refused before any work, and a family that needs nothing more keeps its builds' uids. Real
-llm-compressor builds on the CPU, about a second each."""
+mappings for it, a build of a mixture-of-experts keeps its router and shared-expert gate unquantized, a correct build
+of every family passes the logit check, a refused variant is refused before any work, and a family that needs
+nothing more keeps its builds' uids. Real llm-compressor builds on the CPU, about a second each."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_an_moe_build_keeps_its_routers_and_gates_in_16_bits(name, method, schem
     spec = VariantSpec(name=f"{method}-{scheme}".lower(), method=method, scheme=scheme,
                        group_size=32 if scheme == "W4A16" else None)
     art = quantize.build_variant(tiny(name), spec, CALIB, tmp_path)
-    assert art.status == "built", art.error
+    assert art.status == "built", art.error  # and so it loaded and passed the logit check
     tensors = _tensors(art.path)
     gates = {k.removesuffix(".weight") for k in tensors if GATES.search(k.removesuffix(".weight"))}
     assert len(gates) == (4 if name == "qwen2_moe" else 2)  # 2 layers: a router each, and a shared-expert gate
@@ -122,6 +122,14 @@ def test_without_its_family_a_qwen2_moe_build_would_quantize_the_shared_expert_g
     bare = VariantSpec(name="rtn-w4a16-g32", method="rtn", group_size=32)  # ignore: lm_head only
     llmcompressor.quantize(Path(tiny("qwen2_moe").path), bare, None, tmp_path)
     assert "model.layers.0.mlp.shared_expert_gate.weight_packed" in _tensors(tmp_path)
+
+
+@pytest.mark.parametrize("scheme", ["W8A16", "W4A16"])
+@pytest.mark.parametrize("name", [f for f in FAMILIES if "rtn" not in families()[f].refuse])
+def test_a_correct_build_of_every_family_passes_the_logit_check(name, scheme, tiny, tmp_path):
+    spec = VariantSpec(name="rtn", method="rtn", scheme=scheme, group_size=32 if scheme == "W4A16" else None)
+    art = quantize.build_variant(tiny(name), spec, CALIB, tmp_path)
+    assert art.status == "built", art.error
 
 
 def test_a_refused_variant_is_refused_before_any_work(tiny, tmp_path):

@@ -252,6 +252,8 @@ def build_variant(
     """
     import torch
 
+    from quantgate.tasks.adapters import logit_check
+
     if spec.load_time:
         return build_load_time(model, spec, out_root, existing)
     spec, refused = for_family(model, spec)
@@ -300,6 +302,8 @@ def build_variant(
         faults.point("quantize")
         bad = _nonfinite_tensor(tmp)
         error = None if bad is None else f"saved weights contain NaN/Inf in {bad}"
+        # Cheap, before any evaluation: a checkpoint that loads wrong or computes what its base does not fails here.
+        error = error or logit_check.checkpoint_problem(model.path, tmp, spec.scheme)
     except Exception as e:  # any failure of this one build is recorded, not raised
         log.warning("variant %s (%s) failed", spec.name, uid, exc_info=True)
         error = _build_error(e)
@@ -323,17 +327,6 @@ def load_time_uid(model: ModelArtifact, spec: VariantSpec) -> str:
     return variant_uid(model, recipe_hash, load_time_versions(), libs=LOAD_TIME_LIBS)
 
 
-def _finite_logits(model: Any, tokenizer_path: str) -> bool:
-    import torch
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    ids = tokenizer("Once upon a time, there was a little cat.", return_tensors="pt").input_ids
-    with torch.inference_mode():
-        logits = model(ids.to(model.device)).logits
-    return bool(torch.isfinite(logits.float()).all())
-
-
 def build_load_time(
     model: ModelArtifact,
     spec: VariantSpec,
@@ -341,14 +334,14 @@ def build_load_time(
     existing: Callable[[str], dict | None] | None = None,
 ) -> VariantArtifact:
     """A bitsandbytes variant: no checkpoint is written. The base is loaded once with the config on this
-    machine's device (CUDA when there is one) to check that it loads and gives finite logits, and to
-    measure its size in memory (Transformers' footprint of parameters and buffers in the checkpoint's
-    dtype, the counterpart of the base's size on disk). The variant's folder then holds the base's small
-    files and the config (tasks.loadtime). Where bitsandbytes cannot run here, or the model's family
+    machine's device (CUDA when there is one) to check that it loads and that its logits are close to the base's
+    (tasks/adapters/logit_check.py), and to measure its size in memory (Transformers' footprint of parameters and
+    buffers in the checkpoint's dtype, the counterpart of the base's size on disk). The variant's folder then holds
+    the base's small files and the config (tasks.loadtime). Where bitsandbytes cannot run here, or the model's family
     refuses it, the variant is "skipped"."""
     import torch
 
-    from quantgate.tasks.adapters import loadtime
+    from quantgate.tasks.adapters import loadtime, logit_check
 
     spec, refused = for_family(model, spec)
     versions = load_time_versions()
@@ -373,7 +366,7 @@ def build_load_time(
         loadtime.write_folder(tmp, model.path, spec)
         loaded = loadtime.load_model(tmp, device=device, dtype="auto")
         size = int(loaded.get_memory_footprint())
-        error = None if _finite_logits(loaded, model.path) else "logits contain NaN/Inf"
+        error = logit_check.loaded_problem(loaded, model.path, spec.scheme)
         del loaded
     except Exception as e:  # this variant fails alone
         log.warning("variant %s (%s) failed", spec.name, uid, exc_info=True)
