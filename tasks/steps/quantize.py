@@ -238,6 +238,38 @@ def _peak_memory_bytes(on_gpu: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _build_checked(
+    model: ModelArtifact, spec: VariantSpec, samples: CalibrationSamples | None, tmp: Path
+) -> tuple[int | None, str | None]:
+    """Build `spec` of `model` into `tmp` and check what it wrote: (its peak memory, None), or (None, why it failed
+    in one line). Any failure of this one build is recorded, not raised."""
+    import torch
+
+    from quantgate.tasks.adapters import logit_check
+
+    on_gpu = torch.cuda.is_available()
+    # What it will write, against the disk's free space less what builds under way here have yet to write: one line
+    # when short, before any work (a CPU build keeps its unquantized tensors in float32).
+    disk = model_memory.variant_disk_bytes(model.path, spec, dtype_bytes=2 if on_gpu else 4)
+    try:
+        with model_memory.disk_reserved(tmp, disk, "its build"):
+            if on_gpu:
+                # A process of its own: builds of one model then run side by side on the GPU (llm-compressor keeps
+                # one global session per process), and each build's peak memory is its own.
+                peak = launch.on_gpus(None, None, quantize_measured, Path(model.path), spec, samples, tmp)
+            else:
+                peak = quantize_measured(Path(model.path), spec, samples, tmp)
+        faults.point("quantize")
+        if (bad := _nonfinite_tensor(tmp)) is not None:
+            return None, f"saved weights contain NaN/Inf in {bad}"
+        # Cheap, before any evaluation: a checkpoint that loads wrong or computes what its base does not fails here.
+        problem = logit_check.checkpoint_problem(model.path, tmp, spec.scheme)
+        return (peak, None) if problem is None else (None, problem)
+    except Exception as e:
+        log.warning("variant %s (%s) failed", spec.name, tmp.name, exc_info=True)
+        return None, _build_error(e)
+
+
 def build_variant(
     model: ModelArtifact,
     spec: VariantSpec,
@@ -250,10 +282,6 @@ def build_variant(
     `existing(uid)` may return the warehouse's row for the uid; a built row whose folder still
     exists is reused too. A load-time spec (bitsandbytes) goes to `build_load_time`.
     """
-    import torch
-
-    from quantgate.tasks.adapters import logit_check
-
     if spec.load_time:
         return build_load_time(model, spec, out_root, existing)
     spec, refused = for_family(model, spec)
@@ -269,55 +297,23 @@ def build_variant(
         return reused
 
     built = VariantArtifact(
-        uid=uid,
-        model_uid=model.uid,
-        name=spec.name,
-        method=spec.method,
-        scheme=spec.scheme,
-        bits=spec.bits,
-        group_size=spec.group_size,
-        path=str(final),
-        recipe=recipe,
-        recipe_hash=recipe_hash,
-        lib_versions=versions,
+        uid=uid, model_uid=model.uid, name=spec.name, method=spec.method, scheme=spec.scheme, bits=spec.bits,
+        group_size=spec.group_size, path=str(final), recipe=recipe, recipe_hash=recipe_hash, lib_versions=versions,
     )
     if refused is not None:
         return replace(built, path=None, status="skipped", error=f"{spec.name}: {refused}")
     out_root.mkdir(parents=True, exist_ok=True)
     _sweep_orphans(out_root, uid)
     tmp = Path(tempfile.mkdtemp(prefix=f".{uid}.{_owner()}.", suffix=".tmp", dir=out_root))
-    on_gpu = torch.cuda.is_available()
-    # What it will write, against the disk's free space less what builds under way here have yet to write: one line
-    # when short, before any work (a CPU build keeps its unquantized tensors in float32).
-    disk = model_memory.variant_disk_bytes(model.path, spec, dtype_bytes=2 if on_gpu else 4)
     start = time.perf_counter()
-    try:
-        with model_memory.disk_reserved(tmp, disk, "its build"):
-            if on_gpu:
-                # A process of its own: builds of one model then run side by side on the GPU (llm-compressor keeps
-                # one global session per process), and each build's peak memory is its own.
-                peak = launch.on_gpus(None, None, quantize_measured, Path(model.path), spec, samples, tmp)
-            else:
-                peak = quantize_measured(Path(model.path), spec, samples, tmp)
-        faults.point("quantize")
-        bad = _nonfinite_tensor(tmp)
-        error = None if bad is None else f"saved weights contain NaN/Inf in {bad}"
-        # Cheap, before any evaluation: a checkpoint that loads wrong or computes what its base does not fails here.
-        error = error or logit_check.checkpoint_problem(model.path, tmp, spec.scheme)
-    except Exception as e:  # any failure of this one build is recorded, not raised
-        log.warning("variant %s (%s) failed", spec.name, uid, exc_info=True)
-        error = _build_error(e)
+    peak, error = _build_checked(model, spec, samples, tmp)
     if error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
         return replace(
             built, path=None, status="failed", error=f"{spec.name}: {error}", build_seconds=time.perf_counter() - start
         )
-    built = replace(
-        built,
-        size_bytes=weights_bytes(tmp),
-        build_seconds=time.perf_counter() - start,
-        peak_memory_bytes=peak,
-    )
+    built = replace(built, size_bytes=weights_bytes(tmp), build_seconds=time.perf_counter() - start,
+                    peak_memory_bytes=peak)
     return _publish(built, tmp, final, spec)
 
 
