@@ -113,3 +113,16 @@ def prefect_api():
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's builds and model loads: on a small shared CPU box, torch's spinning worker
+    threads made AWQ's grid search 10x slower (41 s instead of 4 s) when other processes competed for the cores.
+    Modules ask for it with `pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,3 +25,10 @@ def with_chat_template(folder: Path) -> Path:
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     return folder
+
+
+def local_artifact(path: Path, sha: str):
+    """A model folder as the download step describes a local source (its sha given, not hashed)."""
+    from quantgate.catalog.records import ModelArtifact
+
+    return ModelArtifact(model_id=path.name, path=str(path), source="local", revision=None, sha=sha)

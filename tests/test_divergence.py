@@ -6,31 +6,23 @@ import math
 import time
 
 import pytest
-import torch
 
-from quantgate.catalog.records import ModelArtifact
 from quantgate.catalog.variants import TextCalibration, VariantSpec
 from quantgate.tasks.steps.divergence import DivergenceError, kl_divergence, kl_eval_key, kl_report
 from quantgate.tasks.steps.quantize import build_variant
-from tests.shared_data import SHARED, TINY_MODEL
+from tests.shared_data import SHARED, TINY_MODEL, local_artifact
 
 STORIES = SHARED / "eval" / "simple_stories" / "simple_stories.txt"
 SEQ, MAX = 128, 1024
 
-pytestmark = pytest.mark.skipif(not TINY_MODEL.is_dir() or not STORIES.is_file(), reason="needs ../shared/data")
+pytestmark = [pytest.mark.skipif(not TINY_MODEL.is_dir() or not STORIES.is_file(), reason="needs ../shared/data"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    model = ModelArtifact(model_id=TINY_MODEL.name, path=str(TINY_MODEL), source="local", revision=None, sha="kl-test")
+    model = local_artifact(TINY_MODEL, "kl-test")
     calib = TextCalibration(samples=4, seq_len=32)  # rtn: not calibrated
     out = tmp_path_factory.mktemp("kl-variants")
     paths = {}

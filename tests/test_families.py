@@ -28,16 +28,9 @@ CALIB = TextCalibration(path=str(STORIES), samples=4, seq_len=64)
 # Routers (mlp.gate) and Qwen2-MoE's shared-expert gate.
 GATES = re.compile(r"\.mlp\.(gate|shared_expert_gate)$")
 
-pytestmark = pytest.mark.skipif(not TINY_MODEL.is_dir() or not STORIES.is_file(), reason="needs ../shared/data")
+pytestmark = [pytest.mark.skipif(not TINY_MODEL.is_dir() or not STORIES.is_file(), reason="needs ../shared/data"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # As in test_quantize: torch's spinning threads slow small builds down on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

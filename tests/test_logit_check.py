@@ -13,11 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from quantgate.catalog.records import ModelArtifact
 from quantgate.catalog.variants import TextCalibration, VariantSpec
 from quantgate.tasks.adapters import logit_check
 from quantgate.tasks.steps import quantize
-from tests.shared_data import SHARED
+from tests.shared_data import SHARED, local_artifact
 from tests.tiny_families import write_tiny
 
 TINY = SHARED / "models" / "stories260k-i256"
@@ -26,19 +25,10 @@ W8A16 = VariantSpec(name="int8-w8a16", method="rtn", scheme="W8A16", group_size=
 # The one layer a broken build loses: stories260k's third MLP (relative logit error 0.24 once zeroed).
 ZEROED = "model.layers.2.mlp.down_proj."
 
-pytestmark = pytest.mark.skipif(not TINY.is_dir() or not STORIES.is_file(), reason="needs ../shared/data")
+pytestmark = [pytest.mark.skipif(not TINY.is_dir() or not STORIES.is_file(), reason="needs ../shared/data"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _artifact(path: Path, sha: str) -> ModelArtifact:
-    return ModelArtifact(model_id=path.name, path=str(path), source="local", revision=None, sha=sha)
 
 
 def _zero_layer(folder: Path) -> None:
@@ -69,7 +59,7 @@ def test_the_error_is_relative_to_the_base_and_a_constant_prediction_scores_one(
 
 
 def test_a_correct_build_passes_and_the_same_with_a_zeroed_layer_does_not(tmp_path):
-    art = quantize.build_variant(_artifact(TINY, "fixed-test-sha-i256"), W8A16, TextCalibration(), tmp_path / "out")
+    art = quantize.build_variant(local_artifact(TINY, "fixed-test-sha-i256"), W8A16, TextCalibration(), tmp_path / "out")
     assert art.status == "built", art.error
     assert logit_check.checkpoint_problem(TINY, art.path, "W8A16") is None
     broken = tmp_path / "broken"
@@ -88,7 +78,7 @@ def test_a_broken_build_fails_as_a_variant_in_one_line(tmp_path, monkeypatch):
         return peak
 
     monkeypatch.setattr(quantize, "quantize_measured", zeroing)
-    art = quantize.build_variant(_artifact(TINY, "fixed-test-sha-i256"), W8A16, TextCalibration(), tmp_path)
+    art = quantize.build_variant(local_artifact(TINY, "fixed-test-sha-i256"), W8A16, TextCalibration(), tmp_path)
     assert art.status == "failed" and art.path is None and "\n" not in art.error
     assert art.error.startswith("int8-w8a16: its logits are off its base's by 0.2")
     assert "over the W8A16 tolerance 0.15" in art.error
@@ -108,8 +98,8 @@ def test_what_a_family_refuses_is_caught_here_when_built_all_the_same(tmp_path, 
     cannot merge), built as a family not in the data would be: each fails here. When one passes, llm-compressor or
     Transformers has fixed it: lift its refusal in catalog/families.yaml."""
     monkeypatch.setattr(quantize, "model_family", lambda path: None)
-    mixtral = _artifact(write_tiny("mixtral", tmp_path / "mixtral"), "tiny-mixtral")
-    qwen3_moe = _artifact(write_tiny("qwen3_moe", tmp_path / "qwen3_moe"), "tiny-qwen3-moe")
+    mixtral = local_artifact(write_tiny("mixtral", tmp_path / "mixtral"), "tiny-mixtral")
+    qwen3_moe = local_artifact(write_tiny("qwen3_moe", tmp_path / "qwen3_moe"), "tiny-qwen3-moe")
     random_experts = quantize.build_variant(mixtral, W8A16, TextCalibration(), tmp_path / "out")
     w8a8 = VariantSpec(name="int8-w8a8", method="rtn", scheme="W8A8", group_size=None)
     unloadable = quantize.build_variant(qwen3_moe, w8a8, TextCalibration(), tmp_path / "out")

@@ -17,7 +17,7 @@ from quantgate.catalog.variants import ChatCalibration, TextCalibration, Variant
 from quantgate.tasks.adapters.quantizers import llmcompressor
 from quantgate.tasks.adapters.quantizers.batching import CALIBRATION_TOKENS_PER_BATCH
 from quantgate.tasks.steps.quantize import MARKER, base_variant, build_variant, lib_versions, recipe_for, variant_uid
-from tests.shared_data import SHARED, with_chat_template
+from tests.shared_data import SHARED, local_artifact, with_chat_template
 
 DATA = SHARED
 TINY = DATA / "models" / "stories260k-i256"  # every Linear in_features divisible by 32 and 64
@@ -25,26 +25,15 @@ TINY_172 = DATA / "models" / "stories260k"  # intermediate size 172: group 32 ca
 STORIES = DATA / "eval" / "simple_stories" / "simple_stories.txt"
 PROMPT = "Once upon a time"
 
-pytestmark = pytest.mark.skipif(not TINY.is_dir() or not STORIES.is_file(), reason="needs ../shared/data")
+pytestmark = [pytest.mark.skipif(not TINY.is_dir() or not STORIES.is_file(), reason="needs ../shared/data"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # On a small shared CPU box, torch's spinning worker threads made AWQ's grid search
-    # 10x slower (41 s instead of 4 s) when other processes competed for the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _artifact(path: Path, sha: str) -> ModelArtifact:
-    return ModelArtifact(model_id=path.name, path=str(path), source="local", revision=None, sha=sha)
 
 
 @pytest.fixture(scope="module")
 def model() -> ModelArtifact:
-    return _artifact(TINY, "fixed-test-sha-i256")
+    return local_artifact(TINY, "fixed-test-sha-i256")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +88,7 @@ def test_variant_uid_depends_on_model_recipe_and_versions(model):
     uid = variant_uid(model, "r1", versions)
     assert len(uid) == 16 and uid == variant_uid(model, "r1", versions)
     assert uid != variant_uid(model, "r2", versions)
-    assert uid != variant_uid(_artifact(TINY, "other-sha"), "r1", versions)
+    assert uid != variant_uid(local_artifact(TINY, "other-sha"), "r1", versions)
     assert uid != variant_uid(model, "r1", {**versions, "llmcompressor": "0.0.0"})
     assert uid != variant_uid(model, "r1", versions, calibration="c1")
 
@@ -150,7 +139,7 @@ def test_build_reloads_and_generates_like_base(method, model, calib, out_root, t
 
 def test_chat_calibration_calibrates_the_build_and_keys_its_uid(calib, tmp_path):
     # The same checkpoint (and sha) with a chat template: only the calibration set differs between the builds.
-    chat_model = _artifact(with_chat_template(tmp_path / "chat-model"), "fixed-test-sha-i256")
+    chat_model = local_artifact(with_chat_template(tmp_path / "chat-model"), "fixed-test-sha-i256")
     lines = [json.dumps({"messages": [{"role": "user", "content": f"What comes after {i}?"},
                                       {"role": "assistant", "content": f"After {i} comes {i + 1}."}]})
              for i in range(200)]
@@ -217,7 +206,7 @@ def test_w2a16_builds_and_is_much_worse(model, calib, out_root, tokenizer):
 
 def test_indivisible_group_size_fails_with_one_line(calib, tmp_path):
     spec = VariantSpec(name="gptq-w4a16-g32", method="gptq", scheme="W4A16", group_size=32)
-    art = build_variant(_artifact(TINY_172, "fixed-test-sha-172"), spec, calib, tmp_path)
+    art = build_variant(local_artifact(TINY_172, "fixed-test-sha-172"), spec, calib, tmp_path)
     assert art.status == "failed" and art.path is None and not art.ok
     assert art.error.startswith(
         "gptq-w4a16-g32: group size 32 does not divide in_features 172 of model.layers.0.mlp.down_proj"
@@ -234,6 +223,6 @@ def test_nan_weights_fail_the_build(calib, tmp_path):
     model.save_pretrained(poisoned)
     AutoTokenizer.from_pretrained(TINY).save_pretrained(poisoned)
     spec = VariantSpec(name="rtn-w8a16", method="rtn", scheme="W8A16", group_size=None)
-    art = build_variant(_artifact(poisoned, "poisoned"), spec, calib, tmp_path / "out")
+    art = build_variant(local_artifact(poisoned, "poisoned"), spec, calib, tmp_path / "out")
     assert art.status == "failed" and "NaN/Inf" in art.error and "\n" not in art.error
     assert list((tmp_path / "out").iterdir()) == []
