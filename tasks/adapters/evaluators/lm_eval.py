@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import sys
 import tempfile
@@ -27,13 +26,13 @@ from quantgate.catalog.paths import LOCAL_TASKS_DIR
 from quantgate.catalog.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
 from quantgate.catalog.settings import settings
 from quantgate.catalog.suites import LocalTask, SuiteSpec
+from quantgate.tasks.adapters.evaluators import lm_eval_rows
 from quantgate.tasks.adapters.evaluators.engine import engine_plan, shared_gpu_engine_args
 from quantgate.tasks.runtime import gpu_memory, processes
 
 log = logging.getLogger(__name__)
 
 EVALUATOR = "lm-eval"
-PROMPT_CHARS = 8000  # of each example prompt kept in the eval config
 BOOTSTRAP_ITERS = 1000  # lm-eval's default (100,000) makes bootstrapped stderrs (bleu, ...) take minutes
 
 Backend = Literal["hf", "vllm"]
@@ -112,23 +111,11 @@ def evaluate(
     trust_remote_code: bool = False,
 ) -> QualityReport:
     """Run the suite on a local checkpoint. Raises EvaluationError (one line) when it cannot."""
-    if backend not in ("hf", "vllm"):
-        raise EvaluationError(f"unknown lm-eval backend {backend!r}: use 'hf' or 'vllm'")
+    _refuse_unrunnable(model_path, suite, backend, trust_remote_code)
     names = [t.name for t in suite.tasks]
-    if dupes := sorted({n for n in names if names.count(n) > 1}):
-        raise EvaluationError(f"tasks listed more than once in the suite: {dupes}")
-    if not Path(model_path).is_dir():
-        raise EvaluationError(f"model folder {model_path} does not exist")
-    if chat := [t.name for t in suite.tasks if t.apply_chat_template]:
-        _check_chat_template(model_path, chat, trust_remote_code)
     key = eval_key(suite, backend, dtype)
     config = run_config(model_path, suite, backend=backend, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     builtin = [n for n in names if n not in _local_index(suite)]
-    env = dict(os.environ)
-    if not builtin:  # every task reads local files: nothing may reach for a hub
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("HF_DATASETS_OFFLINE", "1")
-    env |= config.get("engine_env", {})
     # Sized by the model before the engine starts: one that cannot fit says so here, in one line.
     engine = engine_plan(model_path, task_words(suite)).args() if backend == "vllm" and device == "cuda" else {}
     request = {
@@ -141,17 +128,7 @@ def evaluate(
     }
     log.info("lm-eval %s on %s: %s (%s, %s, %s)", config["lm_eval"], model_path, names, backend, device, dtype)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="quantgate-lm-eval-") as tmp:
-        request_file, result_file = Path(tmp, "request.json"), Path(tmp, "result.json")
-        request_file.write_text(json.dumps({**request, "loaded_file": str(Path(tmp, "loaded"))}))
-        # Once its model has loaded, the memory held for its start is free for others (gpu_memory.engine_loaded).
-        returncode = processes.run_to_end([sys.executable, "-m", __name__, str(request_file), str(result_file)], env,
-                                          Path(tmp, "loaded"), gpu_memory.engine_loaded, LOADED_POLL_S)
-        if not result_file.is_file():
-            raise EvaluationError(f"the lm-eval process exited with code {returncode} before writing results")
-        out = json.loads(result_file.read_text())
-    if "error" in out:
-        raise EvaluationError(out["error"])
+    out = _run_in_own_process(request, _process_env(offline=not builtin, engine_env=config.get("engine_env", {})))
     seconds = time.perf_counter() - start
     log.info("lm-eval done in %.1f s: %d metrics, %d sample rows", seconds, len(out["metrics"]), len(out["samples"]))
     return QualityReport(
@@ -164,6 +141,43 @@ def evaluate(
         samples=[SampleResult(**s) for s in out["samples"]],
         seconds=seconds,
     )
+
+
+def _refuse_unrunnable(model_path: str, suite: SuiteSpec, backend: str, trust_remote_code: bool) -> None:
+    """Raise EvaluationError for a request that cannot run, before any process starts."""
+    if backend not in ("hf", "vllm"):
+        raise EvaluationError(f"unknown lm-eval backend {backend!r}: use 'hf' or 'vllm'")
+    names = [t.name for t in suite.tasks]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise EvaluationError(f"tasks listed more than once in the suite: {dupes}")
+    if not Path(model_path).is_dir():
+        raise EvaluationError(f"model folder {model_path} does not exist")
+    if chat := [t.name for t in suite.tasks if t.apply_chat_template]:
+        _check_chat_template(model_path, chat, trust_remote_code)
+
+
+def _process_env(*, offline: bool, engine_env: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    if offline:  # every task reads local files: nothing may reach for a hub
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("HF_DATASETS_OFFLINE", "1")
+    return env | engine_env
+
+
+def _run_in_own_process(request: dict, env: dict[str, str]) -> dict:
+    """The evaluation process's results (this module run with -m); its error, when it wrote one, raised."""
+    with tempfile.TemporaryDirectory(prefix="quantgate-lm-eval-") as tmp:
+        request_file, result_file = Path(tmp, "request.json"), Path(tmp, "result.json")
+        request_file.write_text(json.dumps({**request, "loaded_file": str(Path(tmp, "loaded"))}))
+        # Once its model has loaded, the memory held for its start is free for others (gpu_memory.engine_loaded).
+        returncode = processes.run_to_end([sys.executable, "-m", __name__, str(request_file), str(result_file)], env,
+                                          Path(tmp, "loaded"), gpu_memory.engine_loaded, LOADED_POLL_S)
+        if not result_file.is_file():
+            raise EvaluationError(f"the lm-eval process exited with code {returncode} before writing results")
+        out = json.loads(result_file.read_text())
+    if "error" in out:
+        raise EvaluationError(out["error"])
+    return out
 
 
 def _check_chat_template(model_path: str, tasks: list[str], trust_remote_code: bool) -> None:
@@ -255,21 +269,29 @@ def _read_yaml(path: Path) -> dict:
 
 
 def _run(request: dict) -> dict:
-    import lm_eval
-    from lm_eval.api.registry import get_model
+    suite = SuiteSpec.model_validate(request["suite"])
+    managers, by_call = _tasks_by_call(suite, request["include_paths"], request["builtin"])
+    lm = _load_model(request)
+    Path(request["loaded_file"]).touch()  # the parent tells the launcher: this engine's memory is taken
+    return _evaluate_calls(lm, managers, by_call)
+
+
+# simple_evaluate takes one limit, one protocol (few-shot, chat template, multiturn) and one task manager for all
+# its tasks: (limit, metadata as JSON, few-shot, chat template, multiturn).
+_Call = tuple[int | None, str, int | None, bool, bool]
+
+
+def _tasks_by_call(suite: SuiteSpec, paths: list[str], builtin: bool) -> tuple[dict[str, Any], dict[_Call, list]]:
+    """The suite's tasks loaded, grouped by the simple_evaluate call that runs them; the task managers by metadata."""
     from lm_eval.tasks import TaskManager
 
-    suite = SuiteSpec.model_validate(request["suite"])
-    paths = request["include_paths"]
     # One task manager per distinct metadata: lm-eval merges a manager's metadata into every task it loads.
     managers: dict[str, TaskManager] = {}
-    # simple_evaluate takes one limit, one protocol (few-shot, chat template, multiturn) and one task manager
-    # for all its tasks.
-    by_call: dict[tuple[int | None, str, int | None, bool, bool], list] = defaultdict(list)
+    by_call: dict[_Call, list] = defaultdict(list)
     for task in suite.tasks:
         meta = json.dumps(task.metadata, sort_keys=True)
         if meta not in managers:
-            managers[meta] = TaskManager(include_path=paths, include_defaults=request["builtin"],
+            managers[meta] = TaskManager(include_path=paths, include_defaults=builtin,
                                          metadata=dict(task.metadata) or None)
         manager = managers[meta]
         if task.name not in manager.task_index:
@@ -281,6 +303,12 @@ def _run(request: dict) -> dict:
         groups = loaded.get("groups", {})
         call = (task.limit, meta, suite.num_fewshot_of(task), task.apply_chat_template, task.fewshot_as_multiturn)
         by_call[call] += [groups[task.name]] if task.name in groups else list(loaded["tasks"].values())
+    return managers, by_call
+
+
+def _load_model(request: dict) -> Any:
+    """The lm-eval model of the request's checkpoint, with its backend."""
+    from lm_eval.api.registry import get_model
 
     backend = request["backend"]
     model_args: dict[str, Any] = {
@@ -298,10 +326,14 @@ def _run(request: dict) -> dict:
     # vLLM picks its GPU from CUDA_VISIBLE_DEVICES and rejects a device argument.
     extra = {"batch_size": request["batch_size"], "device": request["device"] if backend == "hf" else None}
     try:
-        lm = get_model(backend).create_from_arg_obj(model_args, extra)
+        return get_model(backend).create_from_arg_obj(model_args, extra)
     except Exception as e:
         raise EvaluationError(f"could not load {request['model_path']} with lm-eval's {backend!r} backend: {one_line(e)}") from None
-    Path(request["loaded_file"]).touch()  # the parent tells the launcher: this engine's memory is taken
+
+
+def _evaluate_calls(lm: Any, managers: dict[str, Any], by_call: dict[_Call, list]) -> dict:
+    """Each call's simple_evaluate on the loaded model; their metric and sample rows, protocols and prompts."""
+    import lm_eval
 
     metrics: list[dict] = []
     samples: list[dict] = []
@@ -319,24 +351,14 @@ def _run(request: dict) -> dict:
             task_manager=managers[meta],
             bootstrap_iters=BOOTSTRAP_ITERS,
         )
-        metrics += _metric_rows(results)
-        samples += _sample_rows(results)
+        metrics += lm_eval_rows.metric_rows(results)
+        samples += lm_eval_rows.sample_rows(results)
         # The few-shot count lm-eval used (a YAML may fix it, e.g. 0); a group's row takes its members' count.
         shots = {t: c.get("num_fewshot") for t, c in results["configs"].items()}
         group_shots = next(iter(shots.values()), num_fewshot)
         protocols |= {t: protocol_label(shots.get(t, group_shots), chat, multiturn) for t in results["results"]}
-        prompts |= _example_prompt(results)
+        prompts |= lm_eval_rows.example_prompt(results)
     return {"metrics": metrics, "samples": samples, "protocols": protocols, "example_prompts": prompts}
-
-
-def _example_prompt(results: dict) -> dict[str, str]:
-    """The first prompt of the call's first task, as the model got it (few-shot examples, chat template): one
-    per protocol, so a reader sees how the numbers were asked for."""
-    for task, logged in results.get("samples", {}).items():
-        args = logged[0]["arguments"][0] if logged and logged[0]["arguments"] else None
-        if args and isinstance(args[0], str):
-            return {task: _compact(args[0], limit=PROMPT_CHARS)}
-    return {}
 
 
 def task_words(suite: SuiteSpec) -> list[int] | None:
@@ -365,111 +387,6 @@ def _load_time_model(request: dict) -> Any:
                                    trust_remote_code=request["trust_remote_code"])
     except Exception as e:
         raise EvaluationError(f"could not load {request['model_path']} with its bitsandbytes config: {one_line(e)}") from None
-
-
-def _metric_rows(results: dict) -> list[dict]:
-    rows = []
-    for task, row in results["results"].items():
-        for key, value in row.items():
-            if "," not in key or "_stderr," in key:
-                continue
-            metric, filter_ = key.split(",", 1)
-            n = results["n-samples"].get(task, {}).get("effective", row.get("sample_len"))
-            version_ = results["versions"].get(task)
-            rows.append(
-                {
-                    "task": task,
-                    "metric": metric,
-                    "filter": filter_,
-                    # A NaN or infinite score is kept as it is: it says the model's outputs are not finite.
-                    "value": _number(value, keep_nonfinite=True),
-                    "stderr": _number(row.get(f"{metric}_stderr,{filter_}")),
-                    "n_samples": None if n is None else int(n),
-                    "task_version": None if version_ is None else str(version_),
-                    "higher_is_better": results["higher_is_better"].get(task, {}).get(metric),
-                }
-            )
-    return rows
-
-
-def _sample_rows(results: dict) -> list[dict]:
-    rows = []
-    for task, logged in results.get("samples", {}).items():
-        output_type = results["configs"][task]["output_type"]
-        for sample in logged:
-            detail = _detail(sample, output_type)
-            for metric in sample["metrics"]:
-                value, extra = sample[metric], {}
-                # Corpus-level metrics log a pair per doc and aggregate later: perplexities (loglikelihood,
-                # words or bytes), f1/mcc/bleu (gold, prediction). Only the first kind has a number per doc.
-                if isinstance(value, (list, tuple)):
-                    if output_type == "loglikelihood_rolling":
-                        value, extra = value[0], {"weight": _number(value[1])}
-                    else:
-                        value, extra = None, {"pair": _compact(value)}
-                rows.append(
-                    {
-                        "task": task,
-                        "doc_id": int(sample["doc_id"]),
-                        "metric": metric,
-                        # A NaN or infinite score is kept as it is: it says the model's outputs are not finite.
-                        "value": _number(value, keep_nonfinite=True),
-                        "detail": detail | extra,
-                        "filter": sample["filter"],
-                    }
-                )
-    return rows + _group_rows(results, rows)
-
-
-# Subtasks' documents number from 0 each; under their group, each subtask's come from its own block of ids.
-_GROUP_DOC_BLOCK = 1_000_000
-
-
-def _group_rows(results: dict, rows: list[dict]) -> list[dict]:
-    """Each group's items: its subtasks' rows again under the group's name (a subtask's doc ids offset by its
-    position), so that a gate on a group (MMLU's acc over all subjects) is judged item by item, paired
-    between base and variant, like any task. Groups averaged by size (weight_by_size, as qg_mmlu) are the mean
-    of exactly these items."""
-    out = []
-    for group, members in sorted(results.get("group_subtasks", {}).items()):
-        for i, member in enumerate(sorted(members)):
-            out += [{**r, "task": group, "doc_id": i * _GROUP_DOC_BLOCK + r["doc_id"],
-                     "detail": {**r["detail"], "subtask": member}} for r in rows if r["task"] == member]
-    return out
-
-
-def _detail(sample: dict, output_type: str) -> dict:
-    resps = sample["filtered_resps"]
-    detail: dict[str, Any] = {"target": _compact(sample["target"])}
-    if output_type == "multiple_choice":
-        detail["lls"] = [float(r[0]) for r in resps]
-    elif output_type == "loglikelihood":
-        detail |= {"ll": float(resps[0][0]), "greedy": bool(resps[0][1])}
-    elif output_type == "loglikelihood_rolling":
-        detail["ll"] = float(resps[0])
-    elif output_type == "generate_until":
-        detail |= {"response": _compact(sample["resps"][0][0]), "filtered": _compact(resps[0])}
-    return detail
-
-
-def _compact(value: Any, limit: int = 200) -> Any:
-    if isinstance(value, str):
-        return value if len(value) <= limit else value[:limit] + "…"
-    if isinstance(value, (list, tuple)):
-        return [_compact(v, limit) for v in value]
-    if isinstance(value, float):
-        return _number(value)
-    if isinstance(value, (bool, int)) or value is None:
-        return value
-    return _compact(str(value), limit)
-
-
-def _number(value: Any, keep_nonfinite: bool = False) -> float | None:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):  # lm-eval writes "N/A" where it has no stderr
-        return None
-    return x if keep_nonfinite or math.isfinite(x) else None
 
 
 def _main(request_file: str, result_file: str) -> None:
