@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from quantgate.catalog.deployment import EndpointSpec
-from quantgate.catalog.records import ServingLoad, Slo, SpeedResult
+from quantgate.catalog.records import RequestRecord, ServingLoad, Slo, SpeedResult
 from quantgate.catalog.scenarios import ScenarioSpec, ServingScenario
 from quantgate.catalog.settings import secret
 from quantgate.tasks.adapters.speed.errors import ServingError
@@ -35,6 +35,8 @@ _PROBES = ("/version", "/api/version", "/info", "/v1/models")
 # Seeded prompt words when there is no tokenizer: plain English, roughly one token each for most tokenizers.
 _WORDS = ("the", "a", "little", "cat", "dog", "sun", "tree", "house", "day", "went", "saw", "happy", "big",
           "red", "girl", "boy", "park", "ball", "friend", "play", "run", "jump", "and", "then", "was", "very")
+# A serving load as ServingScenario.load_sizes gives it: (label, max_concurrency, request_rate, number of prompts).
+LoadSize = tuple[str, int | None, float | None, int]
 
 
 @dataclass(frozen=True)
@@ -181,10 +183,7 @@ def bench_endpoint(
     """Drive the server through the serving scenario's loads. Returns the summed result (as
     serve_scenario's: tokens_per_s is the best load's), with the server's identity in details["endpoint"] once its
     loads ran, and the loads. Never raises for server trouble: the result says failed."""
-    config = {**scenario.model_dump(mode="json"),
-              "endpoint": {"base_url": target.base_url, "model": target.model, "api_key_env": target.api_key_env,
-                           "prompt_format": target.prompt_format, "vllm_extras": target.vllm_extras,
-                           "tokenizer": target.tokenizer, "num_devices": target.num_devices}}
+    config = _endpoint_config(target, scenario)
     secret = None
 
     def result(status: str, reason: str | None, **measured: Any) -> SpeedResult:
@@ -197,18 +196,10 @@ def bench_endpoint(
         headers = target.headers()
         identity = probe(target)
         sizes = scenario.load_sizes()
-        prompts = endpoint_prompts(target, scenario, max(n for *_, n in sizes))
-        deadline = time.monotonic() + timeout_s
-        loads = run_loads(target.base_url, target.model, scenario, sizes, prompts, None, deadline,
-                          headers=headers, vllm_extras=target.vllm_extras)
+        loads = _run_scenario_loads(target, scenario, sizes, headers, timeout_s)
     except Exception as e:  # noqa: BLE001 - one failed row, the caller goes on
         return result("failed", f"{type(e).__name__}: {e}"), []
-    for load in loads:
-        for r in load.records:
-            r.error = scrub(r.error, secret)
-    seen = next((load.server_info for load in loads if load.server_info), {})
-    identity = scrub({**identity, "stream": seen}, secret)
-    identity["server"] = identity.get("server") or seen.get("header.server")
+    identity, seen = _scrubbed_identity(identity, loads, secret)
     slo = Slo(**scenario.slo.model_dump()) if scenario.slo else None
     summaries = [{"load": load.label, **summarize(load.records, load.duration_s, slo)} for load in loads]
     ok = [r for load in loads for r in load.records if r.success]
@@ -218,6 +209,41 @@ def bench_endpoint(
         first_error = next((r.error for load in loads for r in load.records if r.error), None)
         return result("failed", f"no request succeeded: {first_error}", repetitions=summaries,
                       details={"endpoint": identity}), loads
+    return result("ok", None, **_measured(target, loads, ok, summaries, identity, seen, sizes)), loads
+
+
+def _endpoint_config(target: Target, scenario: ScenarioSpec) -> dict[str, Any]:
+    """The scenario and how the server was reached, as the result's config (the key's variable, never the key)."""
+    return {**scenario.model_dump(mode="json"),
+            "endpoint": {"base_url": target.base_url, "model": target.model, "api_key_env": target.api_key_env,
+                         "prompt_format": target.prompt_format, "vllm_extras": target.vllm_extras,
+                         "tokenizer": target.tokenizer, "num_devices": target.num_devices}}
+
+
+def _run_scenario_loads(target: Target, scenario: ServingScenario, sizes: list[LoadSize], headers: dict[str, str],
+                        timeout_s: float) -> list[ServingLoad]:
+    prompts = endpoint_prompts(target, scenario, max(n for *_, n in sizes))
+    deadline = time.monotonic() + timeout_s
+    return run_loads(target.base_url, target.model, scenario, sizes, prompts, None, deadline,
+                     headers=headers, vllm_extras=target.vllm_extras)
+
+
+def _scrubbed_identity(identity: dict[str, Any], loads: list[ServingLoad],
+                       secret: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The server's identity with what its streams said of it, and those streams' own; the API key scrubbed
+    from both and from every request's error."""
+    for load in loads:
+        for r in load.records:
+            r.error = scrub(r.error, secret)
+    seen = next((load.server_info for load in loads if load.server_info), {})
+    identity = scrub({**identity, "stream": seen}, secret)
+    identity["server"] = identity.get("server") or seen.get("header.server")
+    return identity, seen
+
+
+def _measured(target: Target, loads: list[ServingLoad], ok: list[RequestRecord], summaries: list[dict[str, Any]],
+              identity: dict[str, Any], seen: dict[str, Any], sizes: list[LoadSize]) -> dict[str, Any]:
+    """The figures of a run with successful requests `ok`: the best load's rates and medians, the totals."""
     best = max(summaries, key=lambda s: s["output_tokens_per_s"])
     versions = {k: v for k, v in (("server", identity.get("server")), ("server_version", identity.get("server_version")),
                                    ("model", seen.get("model")), ("system_fingerprint", seen.get("system_fingerprint")))
@@ -225,22 +251,21 @@ def bench_endpoint(
     details: dict[str, Any] = {"best_load": best["load"], "endpoint": identity}
     if len(loads) < len(sizes):
         details["loads_not_run"] = [label for label, *_ in sizes[len(loads):]]
-    return result(
-        "ok", None,
-        device=target.device,
-        num_requests=sum(len(load.records) for load in loads),
-        input_tokens=sum(r.prompt_len for r in ok),
-        output_tokens=sum(r.output_tokens for r in ok),
-        tokens_per_s=best["output_tokens_per_s"],
-        total_tokens_per_s=best["total_tokens_per_s"],
-        requests_per_s=best["requests_per_s"],
-        ttft_ms=best["ttft_ms_p50"],
-        tpot_ms=best["tpot_ms_p50"],
-        e2el_ms=best["e2el_ms_p50"],
-        repetitions=summaries,
-        versions=versions,
-        details=details,
-    ), loads
+    return {
+        "device": target.device,
+        "num_requests": sum(len(load.records) for load in loads),
+        "input_tokens": sum(r.prompt_len for r in ok),
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "tokens_per_s": best["output_tokens_per_s"],
+        "total_tokens_per_s": best["total_tokens_per_s"],
+        "requests_per_s": best["requests_per_s"],
+        "ttft_ms": best["ttft_ms_p50"],
+        "tpot_ms": best["tpot_ms_p50"],
+        "e2el_ms": best["e2el_ms_p50"],
+        "repetitions": summaries,
+        "versions": versions,
+        "details": details,
+    }
 
 
 def measure_endpoint(target: Target, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *, work_dir: Path,

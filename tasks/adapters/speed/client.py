@@ -12,6 +12,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from quantgate.catalog.records import LoadRun, RequestRecord
@@ -127,9 +128,19 @@ async def _run_load(
 
         records = await asyncio.gather(*(one(i) for i in range(len(prompts))))
         duration = time.perf_counter() - start
-    config = {
+    config = _load_config(output_len, len(prompts), max_concurrency=max_concurrency, request_rate=request_rate,
+                          seed=seed, sampling=sampling, ignore_eos=ignore_eos, vllm_extras=vllm_extras, warmup=warmup)
+    return LoadRun(records=list(records), duration_s=duration, model=model, config=config, server_info=seen)
+
+
+def _load_config(
+    output_len: int, num_prompts: int, *, max_concurrency: int | None, request_rate: float, seed: int,
+    sampling: Sampling, ignore_eos: bool, vllm_extras: bool, warmup: int,
+) -> dict[str, Any]:
+    """How the load was sent, as the run records it."""
+    return {
         "output_len": output_len,
-        "num_prompts": len(prompts),
+        "num_prompts": num_prompts,
         "max_concurrency": max_concurrency,
         "request_rate": None if math.isinf(request_rate) else request_rate,
         "seed": seed,
@@ -140,7 +151,6 @@ async def _run_load(
         "vllm_extras": vllm_extras,
         "warmup": warmup,
     }
-    return LoadRun(records=list(records), duration_s=duration, model=model, config=config, server_info=seen)
 
 
 def _payload(output_len: int, ignore_eos: bool, vllm_extras: bool = True,
@@ -180,7 +190,29 @@ async def _stream_one(
     session: Any, url: str, body: dict[str, Any], prompt: list[int] | str, index: int, run_start: float,
     seen: dict[str, Any] | None = None,
 ) -> RequestRecord:
-    record = RequestRecord(
+    """One request sent and timed from its stream; a failure is recorded in the record, never raised."""
+    record = _blank_record(index, prompt)
+    st = time.perf_counter()
+    record.start_offset_s = st - run_start
+    stream = _Stream(start=st, last=st)
+    try:
+        async with session.post(url, json={**body, "prompt": prompt}) as response:
+            if response.status != 200:
+                text = (await response.text())[:200].replace("\n", " ")
+                record.error = f"HTTP {response.status}: {text}"
+                return record
+            stream.identity = {f"header.{h}": response.headers[h] for h in _IDENTITY_HEADERS if h in response.headers}
+            record.error = await _read_events(response, stream, record)
+            if record.error is not None:
+                return record
+    except Exception as e:  # noqa: BLE001 - recorded per request, the run goes on
+        record.error = f"{type(e).__name__}: {e}"
+        return record
+    return _finished(record, stream, seen)
+
+
+def _blank_record(index: int, prompt: list[int] | str) -> RequestRecord:
+    return RequestRecord(
         index=index,
         success=False,
         error=None,
@@ -194,59 +226,66 @@ async def _stream_one(
         arrival_offset_s=0.0,
         start_offset_s=0.0,
     )
-    st = time.perf_counter()
-    record.start_offset_s = st - run_start
-    last = st
-    chunks = 0
+
+
+@dataclass
+class _Stream:
+    """What one request's stream has shown so far: when it started, its last token chunk, how many."""
+
+    start: float
+    last: float
+    chunks: int = 0
     usage_tokens: int | None = None
-    stream_identity: dict[str, Any] = {}
-    try:
-        async with session.post(url, json={**body, "prompt": prompt}) as response:
-            if response.status != 200:
-                text = (await response.text())[:200].replace("\n", " ")
-                record.error = f"HTTP {response.status}: {text}"
-                return record
-            stream_identity = {f"header.{h}": response.headers[h] for h in _IDENTITY_HEADERS if h in response.headers}
-            decoder = codecs.getincrementaldecoder("utf-8")()
-            buffer = ""
-            async for raw in response.content.iter_any():
-                now = time.perf_counter()
-                buffer += decoder.decode(raw)
-                *lines, buffer = buffer.split("\n")
-                for line in lines:
-                    data = _sse_data(line)
-                    if data is None:
-                        continue
-                    if "error" in data:
-                        err = data["error"]
-                        record.error = f"server error: {err.get('message', err) if isinstance(err, dict) else err}"
-                        return record
-                    for key in ("model", "system_fingerprint"):
-                        if data.get(key) and key not in stream_identity:
-                            stream_identity[key] = data[key]
-                    if _carries_token(data):
-                        if chunks == 0:
-                            record.ttft_s = now - st
-                        else:
-                            record.itl_s.append(now - last)
-                        last = now
-                        chunks += 1
-                    if usage := data.get("usage"):
-                        usage_tokens = usage.get("completion_tokens")
-                        record.prompt_len = usage.get("prompt_tokens") or record.prompt_len
-                        record.server_metrics = data.get("metrics")
-    except Exception as e:  # noqa: BLE001 - recorded per request, the run goes on
-        record.error = f"{type(e).__name__}: {e}"
-        return record
-    if chunks == 0:
+    identity: dict[str, Any] = field(default_factory=dict)
+
+    def take(self, data: dict[str, Any], now: float, record: RequestRecord) -> str | None:
+        """One event folded into the stream and the record; the error an error event carries."""
+        if "error" in data:
+            err = data["error"]
+            return f"server error: {err.get('message', err) if isinstance(err, dict) else err}"
+        for key in ("model", "system_fingerprint"):
+            if data.get(key) and key not in self.identity:
+                self.identity[key] = data[key]
+        if _carries_token(data):
+            if self.chunks == 0:
+                record.ttft_s = now - self.start
+            else:
+                record.itl_s.append(now - self.last)
+            self.last = now
+            self.chunks += 1
+        if usage := data.get("usage"):
+            self.usage_tokens = usage.get("completion_tokens")
+            record.prompt_len = usage.get("prompt_tokens") or record.prompt_len
+            record.server_metrics = data.get("metrics")
+        return None
+
+
+async def _read_events(response: Any, stream: _Stream, record: RequestRecord) -> str | None:
+    """The response's server-sent events, each timed as it arrives; the error an error event carries."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    buffer = ""
+    async for raw in response.content.iter_any():
+        now = time.perf_counter()
+        buffer += decoder.decode(raw)
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            data = _sse_data(line)
+            if data is not None and (error := stream.take(data, now, record)) is not None:
+                return error
+    return None
+
+
+def _finished(record: RequestRecord, stream: _Stream, seen: dict[str, Any] | None) -> RequestRecord:
+    """The record of a stream that ended without error: successful when it carried a token."""
+    if stream.chunks == 0:
         record.error = "the stream carried no token chunk"
         return record
     record.success = True
     if seen is not None and not seen:
-        seen.update(stream_identity)
-    record.e2el_s = last - st
+        seen.update(stream.identity)
+    record.e2el_s = stream.last - stream.start
     # Without a usage chunk, count chunks: exact only when each chunk carries one token.
-    record.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    record.output_tokens = stream.usage_tokens if stream.usage_tokens is not None else stream.chunks
     if record.output_tokens > 1:
         record.tpot_s = (record.e2el_s - record.ttft_s) / (record.output_tokens - 1)
     return record
