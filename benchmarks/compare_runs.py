@@ -19,7 +19,7 @@ from pathlib import Path
 
 import duckdb
 
-from quantgate.warehouse import store
+from quantgate.warehouse import reads
 from summarize import load
 
 DECISIONS = """
@@ -63,13 +63,13 @@ def compare(folders: Sequence[Path]) -> tuple[str, bool]:
     names = [f.name for f in folders]
     lines = [f"# Runs compared: {', '.join(names)}", ""]
 
-    decisions = [{r["variant"]: r["decision"] for r in store.rows(c, DECISIONS)} for c in cons]
+    decisions = [{r["variant"]: r["decision"] for r in reads.rows(c, DECISIONS)} for c in cons]
     agreed = {v: len({d.get(v) for d in decisions}) == 1 for v in sorted(set().union(*decisions))}
     lines += ["## Decisions", ""] + _table(
         ["variant", *names, "same"],
         [[v, *(d.get(v, "—") for d in decisions), "yes" if same else "**no**"] for v, same in agreed.items()]) + [""]
 
-    checks = [{(r["variant"], r["kind"], r["check"]): r for r in store.rows(c, CHECKS)} for c in cons]
+    checks = [{(r["variant"], r["kind"], r["check"]): r for r in reads.rows(c, CHECKS)} for c in cons]
     keys = list(dict.fromkeys(k for run in checks for k in run))
     lines += ["## Checks: outcome, value [interval]", ""] + _table(
         ["variant", "kind", "check", *names, "same outcome"],
@@ -83,13 +83,13 @@ def compare(folders: Sequence[Path]) -> tuple[str, bool]:
         pair = duckdb.connect()
         pair.register("a", items[i - 1])
         pair.register("b", items[i])
-        for r in store.rows(pair, ITEM_DIFFERENCES):
+        for r in reads.rows(pair, ITEM_DIFFERENCES):
             item_rows.append([f"{names[i - 1]} vs {names[i]}", r["variant"], str(r["items"]), str(r["scores_differ"]),
                               str(r["details_differ"])])
     lines += ["## Items: each checkpoint's scored items against the run before", ""] + _table(
         ["runs", "variant", "items", "scores differ", "details differ"], item_rows) + [""]
 
-    speed = [{(r["variant"], r["engine"], r["scenario"]): r for r in store.rows(c, SPEEDUPS)} for c in cons]
+    speed = [{(r["variant"], r["engine"], r["scenario"]): r for r in reads.rows(c, SPEEDUPS)} for c in cons]
     keys = list(dict.fromkeys(k for run in speed for k in run))
 
     def shown(r: dict | None) -> str:
@@ -100,7 +100,7 @@ def compare(folders: Sequence[Path]) -> tuple[str, bool]:
 
     lines += ["## Speedups over the base (median of paired passes, their range)", ""] + _table(
         ["variant", "engine", "scenario", *names], [[*k, *(shown(run.get(k)) for run in speed)] for k in keys]) + [""]
-    cross = [store.rows(c, CROSSCHECK) for c in cons]
+    cross = [reads.rows(c, CROSSCHECK) for c in cons]
     lines += ["## Cross-check against `vllm bench throughput`", ""] + _table(
         ["run", "variant", "scenario", "agreement"],
         [[n, r["variant"], r["scenario"], r["agreement"] or "—"] for n, rows in zip(names, cross, strict=True)

@@ -25,7 +25,7 @@ from quantgate.catalog.errors import CatalogError
 from quantgate.catalog.load import load_catalog
 from quantgate.catalog.models import ModelSpec, PublishedFigure
 from quantgate.catalog.paths import DEFAULT_CATALOG
-from quantgate.warehouse import store  # noqa: E402
+from quantgate.warehouse import reads  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "results.md"
@@ -63,7 +63,7 @@ def _published(catalog: Path, model_id: str) -> tuple[dict[tuple[str, str], Publ
 
 def _base_beside_published(con: Any, run_id: str, model_id: str, catalog: Path) -> list[str]:
     figures, why = _published(catalog, model_id)
-    base = store.rows(con, "SELECT c.name, c.task, c.metric, json_extract_string(c.detail, '$.filter') AS filter,"
+    base = reads.rows(con, "SELECT c.name, c.task, c.metric, json_extract_string(c.detail, '$.filter') AS filter,"
                            " min(c.position) AS position, any_value(q.value) AS value,"
                            " any_value(q.n_samples) AS items, any_value(q.protocol) AS protocol"
                            " FROM decision_checks c LEFT JOIN stg_run_quality q ON q.run_id = c.run_id"
@@ -93,7 +93,7 @@ def _builds_beside_published(con: Any, run_id: str, model_id: str, catalog: Path
     spec = _spec(catalog, model_id)
     if spec is None or not spec.published_recoveries:
         return []
-    ours = store.rows(con, "SELECT v.name AS variant, v.method, v.bits, c.task, c.metric, c.value, c.lower, c.upper"
+    ours = reads.rows(con, "SELECT v.name AS variant, v.method, v.bits, c.task, c.metric, c.value, c.lower, c.upper"
                            " FROM decision_checks c JOIN variants v USING (variant_uid)"
                            " WHERE c.run_id = ? AND c.kind = 'quality' ORDER BY v.name", [run_id])
     lines = ["", f"Quantized builds of the nearest model their publisher measured, beside ours of the same method and bits"
@@ -114,19 +114,19 @@ def _builds_beside_published(con: Any, run_id: str, model_id: str, catalog: Path
 
 def section(folder: Path, catalog: Path = DEFAULT_CATALOG) -> str:
     con = load(folder)
-    (run,) = store.rows(con, "SELECT r.run_id, r.model_id, r.started_at, t.wall_seconds, t.engine_starts"
+    (run,) = reads.rows(con, "SELECT r.run_id, r.model_id, r.started_at, t.wall_seconds, t.engine_starts"
                              " FROM runs r JOIN run_timeline t USING (run_id) WHERE r.flow_name = 'evaluate-model'"
                              " ORDER BY r.started_at DESC LIMIT 1")
-    card = store.rows(con, "SELECT * FROM variant_scorecard WHERE run_id = ? ORDER BY variant", [run["run_id"]])
-    (evals,) = store.rows(con, "SELECT count(*) AS n, count(*) FILTER (WHERE engine_starts = 0) AS reused"
+    card = reads.rows(con, "SELECT * FROM variant_scorecard WHERE run_id = ? ORDER BY variant", [run["run_id"]])
+    (evals,) = reads.rows(con, "SELECT count(*) AS n, count(*) FILTER (WHERE engine_starts = 0) AS reused"
                                " FROM stage_times WHERE run_id = ? AND stage = 'evaluate'", [run["run_id"]])
-    scenarios = sorted({r["scenario"] for r in store.rows(
+    scenarios = sorted({r["scenario"] for r in reads.rows(
         con, "SELECT DISTINCT split_part(scenario, '@', 1) AS scenario FROM speed_results WHERE run_id = ?",
         [run["run_id"]])})
-    checks = store.rows(con, "SELECT v.name AS variant, c.* FROM decision_checks c JOIN variants v USING (variant_uid)"
+    checks = reads.rows(con, "SELECT v.name AS variant, c.* FROM decision_checks c JOIN variants v USING (variant_uid)"
                              " WHERE c.run_id = ? AND c.kind IN ('quality', 'speed', 'serving')"
                              " ORDER BY v.name, c.position", [run["run_id"]])
-    device = store.rows(con, "SELECT any_value(device) AS device FROM speed_results WHERE run_id = ?"
+    device = reads.rows(con, "SELECT any_value(device) AS device FROM speed_results WHERE run_id = ?"
                              " AND status = 'ok' AND device IS NOT NULL", [run["run_id"]])[0]["device"]
     lines = [BEGIN,
              f"{run['model_id']} on one {device or 'GPU'}, run `{run['run_id'][:8]}` ({run['started_at']:%Y-%m-%d}):"

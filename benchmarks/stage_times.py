@@ -18,7 +18,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantgate.warehouse import store  # noqa: E402
+from quantgate.warehouse import reads, sessions  # noqa: E402
 
 
 def main() -> None:
@@ -27,14 +27,14 @@ def main() -> None:
     parser.add_argument("runs", nargs="*", help="run ids (default: the two latest)")
     parser.add_argument("--model", help="only runs of this model")
     args = parser.parse_args()
-    with store.session(args.warehouse, read_only=True) as con:
-        runs = args.runs or [r["run_id"] for r in reversed(store.rows(
+    with sessions.session(args.warehouse, read_only=True) as con:
+        runs = args.runs or [r["run_id"] for r in reversed(reads.rows(
             con, "SELECT run_id FROM runs WHERE flow_name = 'evaluate-model' AND (? IS NULL OR model_id = ?)"
                  " ORDER BY started_at DESC LIMIT 2", [args.model, args.model]))]
         if not runs:
             sys.exit(f"error: no evaluate-model runs in {args.warehouse}")
-        stages = {run: {r["stage"]: r for r in store.stage_summary(con, run)} for run in runs}
-        timeline = {r["run_id"]: r for r in store.rows(
+        stages = {run: {r["stage"]: r for r in reads.stage_summary(con, run)} for run in runs}
+        timeline = {r["run_id"]: r for r in reads.rows(
             con, f"SELECT * FROM run_timeline WHERE run_id IN ({', '.join('?' * len(runs))})", runs)}
     order = list(dict.fromkeys(stage for run in runs for stage in stages[run]))
     table = Table(title="seconds per stage (first start to last end; items of a stage may overlap)")

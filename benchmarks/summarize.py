@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-from quantgate.warehouse import store
+from quantgate.warehouse import lake, reads, sessions, transfer
 
 # benchmarks/gpu/summary.py, found beside this script.
 from gpu import summary as gpu_summary
@@ -49,13 +49,13 @@ def load(folder: Path) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     # Ties in the views' aggregates (arg_min, first) are broken in scan order, which parallel scans may change.
     con.execute("SET threads = 1")
-    store.migrate(con, folder)
-    store.load_parquet(con, folder)
+    sessions.migrate(con, folder)
+    transfer.load_parquet(con, folder)
     return con
 
 
 def summarize(con: duckdb.DuckDBPyConnection) -> list[RunSummary]:
-    runs = store.rows(con, "SELECT * FROM runs ORDER BY started_at, run_id")
+    runs = reads.rows(con, "SELECT * FROM runs ORDER BY started_at, run_id")
     out = []
     for run in runs:
         if run["flow_name"] == "gpu-suite":
@@ -70,7 +70,7 @@ def summarize(con: duckdb.DuckDBPyConnection) -> list[RunSummary]:
 def evaluate_sections(con: duckdb.DuckDBPyConnection, rid: str) -> list[Section]:
     """What an evaluate-model run decided and measured, before its speed tables."""
     parts = [
-        Section("scorecard", "Scorecard", store.rows(
+        Section("scorecard", "Scorecard", reads.rows(
             con, "SELECT * FROM variant_scorecard WHERE run_id = ? ORDER BY variant", [rid]), [
             ("variant", "variant", str), ("method", "method", str), ("scheme", "scheme", cell), ("bits", "bits", str),
             ("size ratio", "size_ratio", fixed(3)), ("recovery", "quality_recovery", fixed(4)),
@@ -80,14 +80,14 @@ def evaluate_sections(con: duckdb.DuckDBPyConnection, rid: str) -> list[Section]
             ("serving goodput ratio", "serving_goodput_ratio", fixed(3)), ("build", "build_status", str),
             ("decision", "decision", str), ("reason", "reason", cell),
         ], note="The contract view: the latest completed or failed run of each model only."),
-        Section("decisions", "Decisions", store.rows(
+        Section("decisions", "Decisions", reads.rows(
             con, "SELECT d.*, v.name AS variant FROM decisions d JOIN variants v USING (variant_uid)"
                  " WHERE d.run_id = ? ORDER BY v.name", [rid]), [
             ("variant", "variant", str), ("decision", "decision", str), ("recovery", "quality_recovery", fixed(4)),
             ("lower bound", "quality_lower_bound", fixed(4)), ("flip rate", "flip_rate", percent),
             ("speedup", "speedup", fixed(2)), ("size ratio", "size_ratio", fixed(3)), ("reason", "reason", cell),
         ]),
-        Section("builds", "Builds", store.rows(
+        Section("builds", "Builds", reads.rows(
             con, "SELECT v.*, rv.role, rv.reused, CASE WHEN v.skipped THEN 'skipped' ELSE v.status END AS build_status"
                  " FROM run_variants rv JOIN variants v USING (variant_uid) WHERE rv.run_id = ? ORDER BY rv.role, v.name",
             [rid]), [
@@ -96,33 +96,33 @@ def evaluate_sections(con: duckdb.DuckDBPyConnection, rid: str) -> list[Section]
             ("build s", "build_seconds", fixed(1)), ("peak GiB", "peak_memory_bytes", gib), ("reused", "reused", str),
             ("status", "build_status", str), ("error", "error", cell),
         ]),
-        Section("quality", "Quality (lm-eval)", store.rows(
+        Section("quality", "Quality (lm-eval)", reads.rows(
             con, "SELECT q.*, v.name AS variant FROM stg_run_quality q JOIN variants v USING (variant_uid)"
                  " WHERE q.run_id = ? ORDER BY q.task, q.metric, q.filter, q.role, v.name", [rid]), [
             ("variant", "variant", str), ("task", "task", str), ("metric", "metric", str), ("filter", "filter", str),
             ("value", "value", fixed(4)), ("stderr", "stderr", fixed(4)), ("n", "n_samples", count),
         ]),
-        Section("recovery", "Recovery (variant ÷ base, inverted for lower-is-better)", store.rows(
+        Section("recovery", "Recovery (variant ÷ base, inverted for lower-is-better)", reads.rows(
             con, "SELECT r.*, v.name AS variant FROM variant_recovery r JOIN variants v USING (variant_uid)"
                  " WHERE r.run_id = ? ORDER BY v.name, r.task, r.metric, r.filter", [rid]), [
             ("variant", "variant", str), ("task", "task", str), ("metric", "metric", str), ("filter", "filter", str),
             ("variant value", "variant_value", fixed(4)), ("base value", "base_value", fixed(4)),
             ("recovery", "recovery", fixed(4)),
         ]),
-        Section("flips", "Flip rates (items whose correctness changed)", store.rows(
+        Section("flips", "Flip rates (items whose correctness changed)", reads.rows(
             con, "SELECT f.*, v.name AS variant FROM variant_flips f JOIN variants v USING (variant_uid)"
                  " WHERE f.run_id = ? ORDER BY v.name, f.task, f.metric, f.filter", [rid]), [
             ("variant", "variant", str), ("task", "task", str), ("metric", "metric", str), ("items", "n_items", count),
             ("to wrong", "to_wrong_rate", percent), ("to right", "to_right_rate", percent),
             ("flip rate", "flip_rate", percent),
         ]),
-        Section("kl", "KL divergence from the base (per token, on the perplexity text)", store.rows(
+        Section("kl", "KL divergence from the base (per token, on the perplexity text)", reads.rows(
             con, "SELECT k.*, v.name AS variant FROM variant_kl k JOIN variants v USING (variant_uid)"
                  " WHERE k.run_id = ? ORDER BY v.name", [rid]), [
             ("variant", "variant", str), ("KL", "kl", fixed(4)), ("stderr", "kl_stderr", fixed(4)),
             ("tokens", "kl_tokens", count),
         ]),
-        Section("serving_gate", "Serving gate: tuned config's goodput at the SLO against the base's", store.rows(
+        Section("serving_gate", "Serving gate: tuned config's goodput at the SLO against the base's", reads.rows(
             con, "SELECT s.*, v.name AS variant FROM variant_serving s JOIN variants v USING (variant_uid)"
                  " WHERE s.run_id = ? ORDER BY v.name, s.engine, s.scenario", [rid]), [
             ("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
@@ -130,7 +130,7 @@ def evaluate_sections(con: duckdb.DuckDBPyConnection, rid: str) -> list[Section]
             ("base point", "base_point", cell), ("base goodput req/s", "base_goodput_requests_per_s", fixed(2)),
             ("ratio", "goodput_ratio", fixed(3)), ("status", "status", str), ("reason", "reason", cell),
         ]),
-        Section("speedups", "Speedups over the base, with every pairing of passes", store.rows(
+        Section("speedups", "Speedups over the base, with every pairing of passes", reads.rows(
             con, "SELECT s.*, v.name AS variant FROM variant_speedup s JOIN variants v USING (variant_uid)"
                  " WHERE s.run_id = ? AND s.speedup IS NOT NULL ORDER BY v.name, s.engine, s.scenario", [rid]), [
             ("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
@@ -142,7 +142,7 @@ def evaluate_sections(con: duckdb.DuckDBPyConnection, rid: str) -> list[Section]
                 " decode steps 3x or more the weights' memory floor), so the ratio moves with the host."),
     ]
     if _has_relation(con, "stage_times"):  # since migration 0009; runs before it have no start times
-        parts.append(Section("stage_times", "Stage times", store.rows(
+        parts.append(Section("stage_times", "Stage times", reads.rows(
             con, "SELECT * FROM stage_times WHERE run_id = ? AND started_at IS NOT NULL"
                  " ORDER BY started_at, stage, checkpoint NULLS FIRST, item", [rid]), [
             ("stage", "stage", str), ("checkpoint", "checkpoint", cell), ("seconds", "seconds", fixed(1)),
@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             _query(args.folder, args.sql)
             return
         files = write(args.folder, args.out or args.folder)
-    except (store.WarehouseError, duckdb.Error) as e:
+    except (lake.WarehouseError, duckdb.Error) as e:
         sys.exit(f"error: {str(e).splitlines()[0]}")
     print(" ".join(str(f) for f in files))
 

@@ -12,15 +12,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 
 
 def ms_per_open(path: Path, opens: int, read_only: bool = False, recreate_views: bool = False) -> float:
     start = time.perf_counter()
     for _ in range(opens):
-        with store.session(path, read_only=read_only) as con:
+        with sessions.session(path, read_only=read_only) as con:
             if recreate_views:
-                store.apply_views(con, force=True)
+                sessions.apply_views(con, force=True)
     return (time.perf_counter() - start) / opens * 1000
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     opens = parser.parse_args().opens
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "w.ducklake"
-        with store.session(path):
+        with sessions.session(path):
             pass  # migrations and views, once
         kept = ms_per_open(path, opens)
         recreated = ms_per_open(path, opens, recreate_views=True)

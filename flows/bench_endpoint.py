@@ -28,7 +28,7 @@ from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.tasks.adapters.endpoint import ENGINE, Target
 from quantgate.tasks.runtime import environment
 from quantgate.tasks.steps.measure import measure
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, reads, sessions, writers
 
 FLOW_NAME = "bench-endpoint"
 
@@ -46,10 +46,10 @@ def _bench(target: Target, name: str, scenario: ScenarioSpec, timeout_s: float, 
            variant_uid: str) -> SpeedResult:
     with tempfile.TemporaryDirectory(prefix="quantgate-endpoint-") as work:
         ((result, loads),) = measure(target, ENGINE, [(name, scenario)], work_dir=work, timeout_s=timeout_s)
-    with store.session(wh) as con:
-        store.record_measured(con, run_id, variant_uid, [(result, loads)])
+    with sessions.session(wh) as con:
+        writers.record_measured(con, run_id, variant_uid, [(result, loads)])
         if identity := result.details.get("endpoint"):
-            store.record_endpoint(con, run_id, variant_uid, ENGINE, name, target.base_url, target.model, identity)
+            writers.record_endpoint(con, run_id, variant_uid, ENGINE, name, target.base_url, target.model, identity)
     return result
 
 
@@ -98,22 +98,22 @@ def bench_endpoint_flow(
                                f"{sorted(n for n, s in cat.scenarios.items() if s.kind == 'serving')}")
     target.api_key()  # a named but unset key variable fails here, before anything is written
     run_id = str(flow_run.id)
-    wh = warehouse or str(store.default_path())
+    wh = warehouse or str(sessions.default_path())
     variant = endpoint_variant(target)
     uid = variant_uid or variant.uid
-    with store.session(wh) as con:
-        store.start_run(con, run_id, FLOW_NAME, target.model, cat_path, cat.hash, platform.node(), environment.program())
-        store.record_prices(con, run_id, cat.gpu_prices, cat.hash)
+    with sessions.session(wh) as con:
+        ledger.start_run(con, run_id, FLOW_NAME, target.model, cat_path, cat.hash, platform.node(), environment.program())
+        writers.record_prices(con, run_id, cat.gpu_prices, cat.hash)
         if variant_uid is None:
-            store.record_variant(con, run_id, variant, role="variant")
+            writers.record_variant(con, run_id, variant, role="variant")
         else:
-            store.link_variant(con, run_id, uid, role="variant", reused=True)
-    with store.run_outcome(wh, run_id):
+            writers.link_variant(con, run_id, uid, role="variant", reused=True)
+    with ledger.run_outcome(wh, run_id):
         for name in scenarios:
             result = _bench(target, name, cat.scenarios[name], timeout_s, wh, run_id, uid)
             log.info("%s on %s: %s%s", name, target.base_url, result.status, f" ({result.reason})" if result.reason else "")
-    with store.session(wh) as con:
-        return store.rows(
+    with sessions.session(wh) as con:
+        return reads.rows(
             con,
             "SELECT s.scenario, s.status, s.reason, s.tokens_per_s, s.ttft_ms, s.tpot_ms, e.server, e.server_version,"
             " c.usd_per_million_output_tokens, c.usd_per_million_output_tokens_at_slo, c.slo_load"

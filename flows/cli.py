@@ -24,7 +24,7 @@ from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.catalog.selection import adhoc_model, resolve_variants
 from quantgate.flows import interrupts
 from quantgate.flows.verdicts import cell, model_notes, verdict_row
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions, transfer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Gate quantized LLM builds on quality and speed.")
 catalog_app = typer.Typer(no_args_is_help=True, help="Inspect and validate the model catalog.")
@@ -38,8 +38,8 @@ DEMO_MODEL = "smollm2-135m"
 
 WarehouseOpt = Annotated[
     Optional[str], typer.Option("--warehouse", "-w", help=(
-        f"the warehouse: a DuckLake catalog file, or postgres:dbname=... host=... for a team's (env {store.ENV_VAR};"
-        f" default {store.DEFAULT_PATH}; data files of a new one in env {store.DATA_ENV_VAR})"))
+        f"the warehouse: a DuckLake catalog file, or postgres:dbname=... host=... for a team's (env {sessions.ENV_VAR};"
+        f" default {sessions.DEFAULT_PATH}; data files of a new one in env {sessions.DATA_ENV_VAR})"))
 ]
 CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", "-c", help="catalog YAML (default: the packaged one)")]
 WorkdirOpt = Annotated[
@@ -82,7 +82,7 @@ def run(
     picked = _names(scenarios)
     kept = _names(engines)
     adhoc_model(cat, model, chosen, scenarios=picked, engines=kept)  # bad input fails here, in one line
-    with store.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
+    with sessions.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
         pass
     with live.run_view(live.work_dir(str(workdir) if workdir else None), model, quiet=quiet):
         server_answers = prefect_api.start_temporary_server()  # inside the view: its output goes to the run's log
@@ -104,9 +104,9 @@ def run(
         model_id = card[0]["model_id"]
         console.print(f"every check: quantgate checks {model_id} [VARIANT]\n"
                       f"full report: quantgate report --model {model_id} --out report.html", highlight=False)
-        with store.session(warehouse, read_only=True) as con:
-            stages = store.stage_summary(con, card[0]["run_id"])
-            timeline = store.rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [card[0]["run_id"]])
+        with sessions.session(warehouse, read_only=True) as con:
+            stages = reads.stage_summary(con, card[0]["run_id"])
+            timeline = reads.rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [card[0]["run_id"]])
         _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"], width=TABLE_WIDTH)
         for t in timeline:
             console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
@@ -124,11 +124,11 @@ def checks(
     """Every check behind a model's verdicts, in the order the policy applies them: outcome, value against
     threshold with its interval, and the full reason."""
     _check_format(fmt)
-    with store.session(warehouse, read_only=True) as con:
-        run_id = run_id or store.latest_run(con, model)
+    with sessions.session(warehouse, read_only=True) as con:
+        run_id = run_id or reads.latest_run(con, model)
         if run_id is None:
             raise typer.BadParameter(f"no finished run of {model!r} in the warehouse", param_hint="model")
-        found = store.decision_checks(con, run_id, variant)
+        found = reads.decision_checks(con, run_id, variant)
     if not found:
         raise typer.BadParameter(f"run {run_id} has no checks{f' for variant {variant!r}' if variant else ''}")
     if fmt != "table":
@@ -162,7 +162,7 @@ def _names(csv: str | None) -> list[str] | None:
 def demo(warehouse: WarehouseOpt = None, workdir: WorkdirOpt = None) -> None:
     """Run the whole pipeline on SmolLM2-135M-Instruct (offline, CPU) into the local warehouse."""
     run(DEMO_MODEL, None, None, warehouse, workdir, quiet=False)
-    wh = warehouse or store.default_path()
+    wh = warehouse or sessions.default_path()
     console.print(f"\nwarehouse: {wh}   try: quantgate sql \"select * from variant_scorecard\"")
 
 
@@ -236,7 +236,7 @@ def deploy(
     from quantgate.flows import deploy as deploying
 
     deploying.api_url()  # no server: one line, before anything is created
-    created = store.init(warehouse)
+    created = sessions.init(warehouse)
     names = deploying.deploy(repo or deploying.REPO, model_runs=model_runs)
     console.print(created, highlight=False)
     for name in names:
@@ -297,7 +297,7 @@ def sql(
 
     _check_format(fmt)
     # Read-only and shut off from the file system: a query can change neither the warehouse nor any file.
-    with store.session(warehouse, read_only=True, sandbox=True) as con:
+    with sessions.session(warehouse, read_only=True, sandbox=True) as con:
         try:
             kinds = {s.type for s in con.extract_statements(query)}
             if not kinds <= {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}:
@@ -345,16 +345,16 @@ def report(
     if out:
         from quantgate.warehouse import report as html_report
 
-        with store.session(warehouse, read_only=True) as con:
+        with sessions.session(warehouse, read_only=True) as con:
             path = html_report.write(con, out, model)
         console.print(f"report: {path}")
         return
-    with store.session(warehouse, read_only=True) as con:
+    with sessions.session(warehouse, read_only=True) as con:
         where, params = ("WHERE model_id = ?", [model]) if model else ("", [])
-        moved = store.rows(con, "SELECT * FROM regressions WHERE change IN ('worse', 'better', 'changed')"
+        moved = reads.rows(con, "SELECT * FROM regressions WHERE change IN ('worse', 'better', 'changed')"
                                 f" {'AND model_id = ?' if model else ''}"
                                 " ORDER BY flagged DESC, model_id, variant, kind, measure", params)
-        rows = store.rows(con, f"SELECT * FROM variant_scorecard {where}", params)
+        rows = reads.rows(con, f"SELECT * FROM variant_scorecard {where}", params)
     if moved:
         console.print("[bold]Changes beyond noise since the previous run[/bold] (worse first)")
         _print_rows(moved, ["kind", "model_id", "variant", "measure", "previous_value", "value", "delta", "noise",
@@ -379,8 +379,8 @@ def export(
     """Write every table and view of the warehouse to FOLDER, one Parquet or CSV file each."""
     if fmt not in ("parquet", "csv"):
         raise typer.BadParameter(f"unknown format {fmt!r}: use parquet or csv", param_hint="--format")
-    with store.session(warehouse, read_only=True) as con:
-        files = store.export(con, folder, fmt, views=not tables_only)
+    with sessions.session(warehouse, read_only=True) as con:
+        files = transfer.export(con, folder, fmt, views=not tables_only)
     console.print(f"{len(files)} {fmt} files in {folder}")
 
 
@@ -388,7 +388,7 @@ def export(
 def warehouse_init(warehouse: WarehouseOpt = None) -> None:
     """Create the warehouse with its schema and views (or bring an existing one up to date): it can be queried
     before the first run writes. Harmless to repeat; `quantgate deploy` does it too."""
-    console.print(store.init(warehouse), highlight=False)
+    console.print(sessions.init(warehouse), highlight=False)
 
 
 @warehouse_app.command("init-sql")
@@ -399,7 +399,7 @@ def warehouse_init_sql(
     """Print the SQL that opens the warehouse in DuckDB: duckdb -cmd "$(quantgate warehouse init-sql)"."""
     from quantgate.warehouse import lake
 
-    sys.stdout.write(lake.init_sql(store.address(warehouse), read_only=not writable))
+    sys.stdout.write(lake.init_sql(sessions.address(warehouse), read_only=not writable))
 
 
 @warehouse_app.command("import")
@@ -410,7 +410,7 @@ def warehouse_import(
     """Bring the runs of a DuckDB-file warehouse over; rows the warehouse already holds are left as they are."""
     from quantgate.warehouse import legacy
 
-    with store.session(warehouse) as con:
+    with sessions.session(warehouse) as con:
         added = legacy.import_duckdb(con, old)
     _print_rows([{"table": t, "rows_added": n} for t, n in added.items()], ["table", "rows_added"])
 
@@ -421,7 +421,7 @@ def warehouse_maintain(
     warehouse: WarehouseOpt = None,
 ) -> None:
     """DuckLake's upkeep: inlined rows to Parquet, small files merged, old snapshots and their files removed."""
-    for step, seconds in store.maintain(warehouse, keep_days):
+    for step, seconds in sessions.maintain(warehouse, keep_days):
         console.print(f"{step}: {seconds:.1f} s")
 
 

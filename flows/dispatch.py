@@ -27,7 +27,7 @@ from quantgate.tasks.runtime import launch
 from quantgate.tasks.steps.benchmark import engine_sessions
 from quantgate.tasks.steps.measure import Measured, backend_name, measure_task
 from quantgate.tasks.steps.measure import measure as measure_speed
-from quantgate.warehouse import store
+from quantgate.warehouse import statements
 
 SERVING_LOGS = "serving-logs"
 
@@ -182,7 +182,7 @@ class Measurements:
         v = job.variant
         log_dir = self.root / SERVING_LOGS / v.name / "+".join(name for name, _ in job.scenarios)
         label = f"{self.spec.id}/{v.name}"
-        started = store.now()
+        started = statements.now()
         # Checkpoints measure in the order they were given: each one's rows are in before the next one's begin.
         with tags(f"model:{self.spec.id}", f"variant:{v.name}"), launch.ranked(self._rank[v.uid]):
             if lane is None:

@@ -42,7 +42,7 @@ from quantgate.tasks.steps.divergence import DivergenceError, kl_eval_key, kl_re
 from quantgate.tasks.steps.download import DownloadError
 from quantgate.tasks.steps.evaluate import eval_key, evaluate_task
 from quantgate.tasks.steps.quantize import base_variant, lib_versions, variant_from_row
-from quantgate.warehouse import store
+from quantgate.warehouse import lake, ledger, reads, sessions, statements, writers
 
 T = TypeVar("T")
 
@@ -53,7 +53,7 @@ class ModelOutputError(QuantgateError, RuntimeError):
 
 # Bad input, or a model too large for this host: one line in the run row and in the flow's state.
 USER_ERRORS = (ModelOutputError, CatalogError, DownloadError, CalibrationError, DivergenceError, CapacityError,
-               store.WarehouseError)
+               lake.WarehouseError)
 
 
 def _run_name() -> str:
@@ -82,8 +82,8 @@ class _Run:
 
     def __init__(self, wh: str, run_id: str, attempt_id: str) -> None:
         self.wh, self.run_id, self.attempt_id = wh, run_id, attempt_id
-        with store.session(wh, read_only=True) as con:
-            self.done = store.completed_stages(con, run_id)
+        with sessions.session(wh, read_only=True) as con:
+            self.done = ledger.completed_stages(con, run_id)
         # How many items each stage has, and how many have begun: "step k of N" in the live view.
         self.totals: dict[str, int] = {}
         self._begun: dict[str, int] = {}
@@ -98,7 +98,7 @@ class _Run:
         return (stage, item) in self.done
 
     def read(self, query: Callable[[Any], T]) -> T:
-        with store.session(self.wh, read_only=True) as con:
+        with sessions.session(self.wh, read_only=True) as con:
             return query(con)
 
     @contextmanager
@@ -106,10 +106,10 @@ class _Run:
               engine_starts: int = 0) -> Iterator[StageCommit]:
         """One transaction for a stage's rows and its completion mark: after a crash both are there or neither.
         The body may set the mark's detail on what it yields, once its rows say what it is."""
-        with store.session(self.wh) as con, store.transaction(con):
+        with sessions.session(self.wh) as con, statements.transaction(con):
             commit = StageCommit(con, detail)
             yield commit
-            store.mark_stage(con, self.run_id, stage, item, commit.detail, self.attempt_id, started or store.now(),
+            ledger.mark_stage(con, self.run_id, stage, item, commit.detail, self.attempt_id, started or statements.now(),
                              engine_starts, marked_before=(stage, item) in self.done)
             faults.point(f"write:{stage}")
         self.done[(stage, item)] = commit.detail
@@ -127,7 +127,7 @@ class _Run:
         if found is not None and self.is_done(stage, item):
             return found
         self.enter(stage, item, label)
-        started = store.now()
+        started = statements.now()
         try:
             value = found if found is not None else compute()
         except BaseException:
@@ -192,21 +192,21 @@ def _run(cat: Catalog, cat_path: Path, spec: ModelSpec, warehouse: str | None, w
     """The flow run's work, where it was placed: its warehouse run begun or resumed, its stages, its scorecard.
     Each start of the same flow run (`attempt`: Prefect's retry after a crash) is an attempt of its own."""
     attempt_id = str(flow_run.id) + (f"#{attempt}" if attempt > 1 else "")
-    wh = warehouse or str(store.default_path())
+    wh = warehouse or str(sessions.default_path())
     root = work_dir(workdir)
     log = get_run_logger()
     if where is not None:
         log.info("placed on %s: %s", where.host, ", ".join(where.limits))
     try:
-        with store.session(wh) as con:
-            run_id, resumed = store.begin_run(con, attempt_id, "evaluate-model", spec.id,
+        with sessions.session(wh) as con:
+            run_id, resumed = ledger.begin_run(con, attempt_id, "evaluate-model", spec.id,
                                               resume_key(cat, spec, engines), str(cat_path.resolve()), cat.hash,
                                               host_name(), {**lib_versions(), **environment.program()},
                                               exclusive=where is not None)
             if not resumed:  # a resumed run keeps the prices its costs were computed with
-                store.record_prices(con, run_id, cat.gpu_prices, cat.hash)
+                writers.record_prices(con, run_id, cat.gpu_prices, cat.hash)
         run = _Run(wh, run_id, attempt_id)
-    except store.WarehouseError as e:  # no warehouse to write a run row into
+    except lake.WarehouseError as e:  # no warehouse to write a run row into
         return Failed(message=str(e))
     if resumed:
         log.info("resuming run %s of %s: %d stage(s) already complete", run_id, spec.id, len(run.done))
@@ -231,20 +231,20 @@ def _run(cat: Catalog, cat_path: Path, spec: ModelSpec, warehouse: str | None, w
     except Exception as e:
         _finish(run, one_line(e))
         raise
-    with store.session(wh) as con:
-        store.record_inputs(con, run_id, spec.id, *model_inputs(cat, spec, sha))
+    with sessions.session(wh) as con:
+        ledger.record_inputs(con, run_id, spec.id, *model_inputs(cat, spec, sha))
     _finish(run, None)
-    with store.session(wh, read_only=True) as con:
-        card = store.scorecard(con, run_id)
+    with sessions.session(wh, read_only=True) as con:
+        card = reads.scorecard(con, run_id)
     _publish(spec.id, card)
     return card
 
 
 def _finish(run: _Run, error: str | None, cancelled: bool = False) -> None:
     try:
-        with store.session(run.wh) as con:
-            store.finish_run(con, run.run_id, error=error, attempt_id=run.attempt_id, cancelled=cancelled)
-    except store.WarehouseError as e:
+        with sessions.session(run.wh) as con:
+            ledger.finish_run(con, run.run_id, error=error, attempt_id=run.attempt_id, cancelled=cancelled)
+    except lake.WarehouseError as e:
         if error is None:
             raise
         # The warehouse itself is the trouble; the run stays unfinished and the next run resumes it.
@@ -330,13 +330,13 @@ def starts_engines_early(setup: EvalSetup, lanes: list[str | None]) -> bool:
 
 def _download(run: _Run, spec: ModelSpec, root: Path, cat: Catalog) -> ModelArtifact:
     def stored(con: Any) -> ModelArtifact | None:
-        model = store.model_of(con, run.done.get(("download", "")) or "")
+        model = reads.model_of(con, run.done.get(("download", "")) or "")
         return model if model is not None and (Path(model.path) / "config.json").is_file() else None  # gone: fetch again
 
     def write(con: Any, model: ModelArtifact, reused: bool) -> str:
         if not reused:
-            store.record_model(con, run.run_id, model)
-            store.record_variant(con, run.run_id, base_variant(model), role="base")
+            writers.record_model(con, run.run_id, model)
+            writers.record_variant(con, run.run_id, base_variant(model), role="base")
         return model.uid
 
     def download() -> ModelArtifact:
@@ -358,18 +358,18 @@ def _build_and_evaluate(run: _Run, model: ModelArtifact, vspec: VariantSpec, cal
     log = get_run_logger()
 
     def stored(con: Any) -> VariantArtifact | None:
-        row = store.run_variant(con, run.run_id, run.done.get(("quantize", vspec.name)) or "")
+        row = reads.run_variant(con, run.run_id, run.done.get(("quantize", vspec.name)) or "")
         return variant_from_row(row, vspec) if row else None
 
     def build() -> VariantArtifact:
-        variant = build_cached(model, vspec, calib, root, lambda uid: run.read(lambda c: store.find_variant(c, uid)))
+        variant = build_cached(model, vspec, calib, root, lambda uid: run.read(lambda c: reads.find_variant(c, uid)))
         log.info("%s: %s%s", vspec.name, "reused" if variant.reused else variant.status,
                  f" ({variant.error})" if variant.error else "")
         return variant
 
     def write(con: Any, variant: VariantArtifact, reused: bool) -> str:
         if not reused:
-            store.record_variant(con, run.run_id, variant, role="variant")
+            writers.record_variant(con, run.run_id, variant, role="variant")
         return variant.uid
 
     variant = run.step("quantize", vspec.name, stored=stored, compute=build, write=write, label=vspec.name)
@@ -387,7 +387,7 @@ def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, 
     key = eval_key(suite, setup.backend, setup.dtype)
 
     def stored(con: Any) -> list[MetricResult] | None:
-        return store.quality_metrics(con, v.uid, key) if store.has_quality(con, v.uid, key) else None
+        return reads.quality_metrics(con, v.uid, key) if reads.has_quality(con, v.uid, key) else None
 
     def compute() -> list[MetricResult]:
         report = evaluate_task(v.path, suite, backend=setup.backend, device=setup.device, dtype=setup.dtype,
@@ -400,16 +400,16 @@ def _quality(run: _Run, v: VariantArtifact, suite: SuiteSpec, setup: EvalSetup, 
     def write(con: Any, metrics: list[MetricResult], reused: bool) -> None:
         if reused:
             get_run_logger().info("%s: quality results for this evaluation config already stored; reused", v.name)
-            store.link_quality(con, run.run_id, v.uid, key)
+            writers.link_quality(con, run.run_id, v.uid, key)
         else:
-            store.record_quality(con, run.run_id, v.uid, reports.pop(v.uid))
+            writers.record_quality(con, run.run_id, v.uid, reports.pop(v.uid))
         if (bad := _nonfinite(metrics)) and not is_base:
             # Finite weights can still overflow: NaN/Inf outputs fail the variant, with the reason.
-            store.fail_variant(con, v.uid, f"{v.name}: outputs contain NaN/Inf ({bad})")
+            writers.fail_variant(con, v.uid, f"{v.name}: outputs contain NaN/Inf ({bad})")
 
     reports: dict[str, QualityReport] = {}
     if run.is_done("evaluate", v.uid):
-        return not run.read(lambda con: store.variant_failed(con, v.uid))
+        return not run.read(lambda con: reads.variant_failed(con, v.uid))
     with gpu_memory.settles_on_load(evals):
         metrics = run.step("evaluate", v.uid, stored=stored, compute=compute, write=write, starts=lambda _: 1,
                            label=v.name)
@@ -427,8 +427,8 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
     kl_text = suite.kl_text
     key = kl_eval_key(kl_text, dtype=setup.dtype)
     todo = [v for v in variants if not run.is_done("kl", v.uid)]
-    stored = {v.uid for v in todo if run.read(lambda con, v=v: store.has_quality(con, v.uid, key))}
-    started = store.now()
+    stored = {v.uid for v in todo if run.read(lambda con, v=v: reads.has_quality(con, v.uid, key))}
+    started = statements.now()
     missing = {v.uid: v.path for v in todo if v.uid not in stored}
     for v in todo:
         if v.uid in missing:
@@ -439,7 +439,7 @@ def _kl(run: _Run, base: VariantArtifact, variants: list[VariantArtifact], suite
         starts = (2 if v.uid == first else 1) if v.uid in reports else 0  # the base's load, once, with the first
         with run.stage("kl", v.uid, started=started, engine_starts=starts) as commit:
             if v.uid in reports:
-                store.record_quality(commit.con, run.run_id, v.uid, reports[v.uid], link=False)
+                writers.record_quality(commit.con, run.run_id, v.uid, reports[v.uid], link=False)
 
 
 class _SpeedStage:
@@ -483,7 +483,7 @@ class _SpeedStage:
                 log.info("%s: speed unchanged since run %s (same format, scenarios, libraries and device); reused",
                          v.name, source[0])
                 with self.run.stage("benchmark", v.uid, f"reused from run {source[0]}") as commit:
-                    store.link_speed(commit.con, self.run.run_id, v.uid, key, source)
+                    writers.link_speed(commit.con, self.run.run_id, v.uid, key, source)
             elif measurer.uid == v.uid:
                 todo.append(v)
             else:
@@ -501,14 +501,14 @@ class _SpeedStage:
     def _source(self, v: VariantArtifact) -> tuple[str, str] | None:
         """The run and checkpoint whose stored rows have `v`'s speed key, read once per checkpoint."""
         if v.uid not in self.sources:
-            self.sources[v.uid] = self.run.read(lambda con: store.speed_source(con, self.plan.key(v)))
+            self.sources[v.uid] = self.run.read(lambda con: reads.speed_source(con, self.plan.key(v)))
         return self.sources[v.uid]
 
     def _store(self, uid: str, result: dispatch.JobResult) -> None:
         v = self.measurements.variant(uid)
         with self.run.stage("benchmark", uid, started=result.started_at, engine_starts=result.engine_starts) as commit:
-            store.record_measured(commit.con, self.run.run_id, uid, result.measured)
-            store.link_speed(commit.con, self.run.run_id, uid, self.plan.key(v))
+            writers.record_measured(commit.con, self.run.run_id, uid, result.measured)
+            writers.link_speed(commit.con, self.run.run_id, uid, self.plan.key(v))
         with self.lock:
             takers = self.takers.pop(uid, [])
         for taker in takers:
@@ -519,7 +519,7 @@ def _take_speed(run: _Run, v: VariantArtifact, measurer: VariantArtifact, key: s
     get_run_logger().info("%s: same format as %s (config, quantization layout, tensor shapes): its speed rows"
                           " stand for it", v.name, measurer.name)
     with run.stage("benchmark", v.uid, f"same format as {measurer.name}: its speed rows") as commit:
-        store.link_speed(commit.con, run.run_id, v.uid, key, (run.run_id, measurer.uid))
+        writers.link_speed(commit.con, run.run_id, v.uid, key, (run.run_id, measurer.uid))
 
 
 def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> list[Decision]:
@@ -527,7 +527,7 @@ def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> 
     policy = spec.policy or cat.policy
 
     def compute(con: Any) -> list[Decision]:
-        evidence = store.decision_evidence(con, run_id, [(g.task, g.metric) for g in policy.quality])
+        evidence = reads.decision_evidence(con, run_id, [(g.task, g.metric) for g in policy.quality])
         # The model's published figures: the base is checked against those that state a tolerance.
         return [decide_task(row, base.size_bytes, policy=policy, published=spec.published,
                             **evidence.of(row["variant_uid"]))
@@ -536,10 +536,10 @@ def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> 
     if run.is_done("decide"):
         return []
     run.enter("decide", "", spec.id)
-    started = store.now()
+    started = statements.now()
     with run.stage("decide", started=started) as commit:
         decisions = compute(commit.con)
-        store.record_decisions(commit.con, run_id, decisions, policy.model_dump(mode="json"))
+        writers.record_decisions(commit.con, run_id, decisions, policy.model_dump(mode="json"))
     return decisions
 
 

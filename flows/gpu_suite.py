@@ -45,7 +45,7 @@ from quantgate.tasks.runtime.launch import in_lanes
 from quantgate.tasks.steps.benchmark import engine_sessions
 from quantgate.tasks.steps.measure import measure
 from quantgate.tasks.adapters.dummy_weights import SHAPES, layout, write_dummy_checkpoint
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, reads, sessions, writers
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
 FLOW_NAME = "gpu-suite"
@@ -281,8 +281,8 @@ def run_step(step: SuiteStep, build: Build, scenarios: list[tuple[str, ScenarioS
 
 
 def _store_measured(wh: str, run_id: str, uid: str, result: SpeedResult, loads: list[ServingLoad]) -> None:
-    with store.session(wh) as con:
-        store.record_measured(con, run_id, uid, [(result, loads)])
+    with sessions.session(wh) as con:
+        writers.record_measured(con, run_id, uid, [(result, loads)])
 
 
 def _summarise(results: list[SpeedResult]) -> StepOutcome:
@@ -341,20 +341,20 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
     lanes: list[str | None] = list(gpus) if gpus else [None]
     clock = Clock(deadline_s, grace_s)
     run_id = str(flow_run.id)
-    wh = warehouse or str(store.default_path())
+    wh = warehouse or str(sessions.default_path())
     root = work_dir(workdir) / "gpu" / shape
     spec_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-    with store.session(wh) as con:
-        store.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, host_name(),
+    with sessions.session(wh) as con:
+        ledger.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, host_name(),
                         {**_versions(), **environment.program()})
         prices, prices_from = suite_prices(spec, spec_hash)
-        store.record_prices(con, run_id, prices, prices_from)
-    with store.run_outcome(wh, run_id):
+        writers.record_prices(con, run_id, prices, prices_from)
+    with ledger.run_outcome(wh, run_id):
         model, builds = prepare(spec, shape, config, root, {spec.base_build, *(s.build for _, s in steps)})
-        with store.session(wh) as con:
-            store.record_model(con, run_id, model)
+        with sessions.session(wh) as con:
+            writers.record_model(con, run_id, model)
             for name, b in builds.items():
-                store.record_variant(con, run_id, b.variant, role="base" if name == spec.base_build else "variant")
+                writers.record_variant(con, run_id, b.variant, role="base" if name == spec.base_build else "variant")
 
         def scenarios_of(step: SuiteStep) -> list[tuple[str, ScenarioSpec]]:
             # A dummy build can only run with random or written-random weights.
@@ -369,8 +369,8 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
                     for n, s in scenarios_of(step)]
 
         def skip(index: int, step: SuiteStep, reason: str) -> None:
-            with store.session(wh) as con:
-                store.record_speed(con, run_id, builds[step.build].variant.uid, rows_for(step, "skipped", reason))
+            with sessions.session(wh) as con:
+                writers.record_speed(con, run_id, builds[step.build].variant.uid, rows_for(step, "skipped", reason))
 
         def execute(index: int, step: SuiteStep, timeout_s: float, lane: str | None) -> StepOutcome:
             scenarios = scenarios_of(step)
@@ -384,23 +384,23 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
                                 scenarios, config, root / "logs" / f"step{index:02d}", timeout_s, wh, run_id, on)
             except Exception as e:
                 reason = one_line(e)
-                with store.session(wh) as con:
-                    store.record_speed(con, run_id, builds[step.build].variant.uid, rows_for(step, "failed", reason))
+                with sessions.session(wh) as con:
+                    writers.record_speed(con, run_id, builds[step.build].variant.uid, rows_for(step, "failed", reason))
                 return StepOutcome("failed", reason)
 
         def record(index: int, step: SuiteStep, outcome: StepOutcome, started: float | None, seconds: float | None) -> None:
             log.info("%s: %s%s%s", label(index, step), outcome.status,
                      f" in {seconds:.0f} s" if seconds is not None else "", f" ({outcome.reason})" if outcome.reason else "")
-            with store.session(wh) as con:
-                store.record_suite_step(con, run_id, index, step.part, step.engine, step.build, step.scenarios,
+            with sessions.session(wh) as con:
+                writers.record_suite_step(con, run_id, index, step.part, step.engine, step.build, step.scenarios,
                                         outcome.status, outcome.reason, started, seconds)
 
         def wide(step: SuiteStep) -> bool:
             return any(s.tensor_parallel_size > 1 for _, s in scenarios_of(step))
 
         run_steps(steps, clock, execute, skip, record, lanes, wide)
-    with store.session(wh) as con:
-        return store.rows(con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [run_id])
+    with sessions.session(wh) as con:
+        return reads.rows(con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [run_id])
 
 
 def _versions() -> dict[str, str]:

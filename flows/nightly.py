@@ -25,7 +25,7 @@ from quantgate.catalog.load import load_catalog
 from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.flows import dispatch
 from quantgate.flows.inputs import ShaUnavailable, current_sha, model_inputs
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, sessions
 
 
 def _name() -> str:
@@ -43,7 +43,7 @@ def plan(catalog: str | None, warehouse: str | None, workdir: str | None, all_mo
     root = work_dir(workdir)
     chosen = [cat.model(m) for m in models] if models else list(cat.models)
     out: list[dict[str, Any]] = []
-    with store.session(warehouse or store.default_path()) as con:
+    with sessions.session(warehouse or sessions.default_path()) as con:
         for spec in chosen:
             row: dict[str, Any] = {"model": spec.id, "sha": None, "inputs_hash": None, "previous_run": None}
             try:
@@ -53,7 +53,7 @@ def plan(catalog: str | None, warehouse: str | None, workdir: str | None, all_mo
                 continue
             digest, inputs = model_inputs(cat, spec, row["sha"])
             row["inputs_hash"] = digest
-            last = store.last_success_inputs(con, spec.id)
+            last = ledger.last_success_inputs(con, spec.id)
             if last:
                 row["previous_run"] = last["run_id"]
             if all_models:

@@ -29,7 +29,7 @@ from quantgate.catalog.errors import CatalogError, QuantgateError
 from quantgate.catalog.load import Catalog, load_catalog
 from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.flows import dispatch
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, sessions
 
 EXPAND = ["sha", "author", "lastModified", "createdAt"]
 
@@ -167,9 +167,9 @@ def watch_releases(
     except (HubListingError, CatalogError) as e:
         return Failed(message=str(e))
     unique = list({(r.model_id, r.sha): r for r in releases}.values())
-    wh = warehouse or store.default_path()
-    with store.session(wh) as con:
-        seen = store.seen_releases(con, [(r.model_id, r.sha) for r in unique])
+    wh = warehouse or sessions.default_path()
+    with sessions.session(wh) as con:
+        seen = ledger.seen_releases(con, [(r.model_id, r.sha) for r in unique])
     rows: list[dict[str, Any]] = []
     for r in unique:
         row = {**asdict(r), "variants": list(r.variants) if r.variants else None}
@@ -177,8 +177,8 @@ def watch_releases(
             rows.append({**row, "action": "seen", "flow_run_id": None})
             continue
         rid = _trigger(r, catalog, warehouse, workdir, evaluate_deployment)
-        with store.session(wh) as con:
-            store.record_trigger(con, r.model_id, r.sha, r.source, rid)
+        with sessions.session(wh) as con:
+            ledger.record_trigger(con, r.model_id, r.sha, r.source, rid)
         log.info("%s@%s: new release, evaluate-model run %s", r.model_id, r.sha[:12], rid)
         rows.append({**row, "action": "triggered", "flow_run_id": rid})
     log.info("%d release(s) listed, %d new", len(rows), sum(r["action"] == "triggered" for r in rows))

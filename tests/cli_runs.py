@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from quantgate.warehouse import lake, store
+from quantgate.warehouse import lake, sessions
 
 CLI = [sys.executable, "-m", "quantgate.flows.cli"]
 # How the small catalogs written by hand start: one build that needs no calibration (RTN W8A16) and a suite of two
@@ -45,7 +45,7 @@ def run_cli(args: list[str], prefect_api: str | None = None, env: dict[str, str]
 def tables(path: str | Path) -> dict[str, list[tuple]]:
     """Every base table of a warehouse: its rows, as text, sorted (a read-only connection of its own, which
     reads a warehouse of any schema version)."""
-    con = lake.open_lake(store.address(path), read_only=True)
+    con = lake.open_lake(sessions.address(path), read_only=True)
     try:
         names = [n for (n,) in con.execute("SELECT table_name FROM information_schema.tables WHERE table_catalog ="
                                            " current_database() AND table_type = 'BASE TABLE' ORDER BY 1").fetchall()]

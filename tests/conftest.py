@@ -61,12 +61,12 @@ def _temporary_prefect_server_stops_with_the_session():
 
 @pytest.fixture(autouse=True)
 def _warehouses_detached_after_each_test():
-    """This process keeps each warehouse it opened attached (quantgate.warehouse.store); a test's warehouse goes
+    """This process keeps each warehouse it opened attached (quantgate.warehouse.sessions); a test's warehouse goes
     with its tmp_path, and the next test starts as a new process would."""
     yield
-    from quantgate.warehouse import store
+    from quantgate.warehouse import sessions
 
-    store.close_all()
+    sessions.close_all()
 
 
 @pytest.fixture

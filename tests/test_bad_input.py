@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.flows import cli
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 from tests.cli_runs import checksums, copy_warehouse, error_lines, run_cli, tables
 from tests.shared_data import SHARED, TINY_MODEL
 from tests.test_download import FakeHub, online, use_endpoint  # noqa: F401 - `online` is a fixture
@@ -57,7 +57,7 @@ def write_catalog(tmp: Path, name: str = "catalog.yaml", method: str = "rtn", sc
 def seeded(tmp_path_factory) -> Path:
     """A warehouse with a finished run in it: what bad input must leave alone."""
     path = tmp_path_factory.mktemp("seed") / "w.ducklake"
-    with store.session(path) as con:
+    with sessions.session(path) as con:
         seed_run(con, "r1")
     return path
 
@@ -199,9 +199,9 @@ def test_a_file_that_is_not_a_warehouse_is_named_and_left_alone(tmp_path, capfd)
 def test_a_schema_newer_than_the_code_is_refused_and_left_alone(seeded, tmp_path, capfd):
     wh = tmp_path / "w.ducklake"
     copy_warehouse(seeded, wh)
-    with store.session(wh) as con:
+    with sessions.session(wh) as con:
         con.execute("INSERT INTO schema_migrations VALUES (999, '0999_future.sql', 'x', now())")
-    store.close_all()
+    sessions.close_all()
     before = tables(wh)
     for args in (["run", "-c", str(write_catalog(tmp_path)), "tiny"], ["sql", "select 1"]):
         code, out, err = quantgate(capfd, *args, "-w", str(wh))
@@ -238,8 +238,8 @@ def test_a_warehouse_held_by_another_writer(seeded, tmp_path):
     before = checksums(tables(wh))
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from quantgate.warehouse import store
-        with store.session({str(wh)!r}) as con, store.transaction(con):
+        from quantgate.warehouse import sessions, statements
+        with sessions.session({str(wh)!r}) as con, statements.transaction(con):
             con.execute("UPDATE runs SET error = 'being written' WHERE run_id = 'r1'")
             print("locked", flush=True)
             sys.stdin.readline()  # until told to let go

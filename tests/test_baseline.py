@@ -22,7 +22,7 @@ from quantgate.flows.cli import app
 from quantgate.flows.verdicts import model_notes, verdict_row
 from quantgate.tasks.steps.decide import decide
 from quantgate.tasks.steps.download import fetch_model
-from quantgate.warehouse import report, store
+from quantgate.warehouse import ledger, reads, report, sessions, writers
 from tests.test_provenance import quantized_checkpoint, spec
 
 POLICY = Policy.model_validate({
@@ -149,19 +149,19 @@ def build(model: ModelArtifact, uid: str, name: str, size: int = 100) -> Variant
 def decided_run(wh: Path, model: ModelArtifact, base: list[int], builds: dict[str, list[int]],
                 published: tuple[PublishedFigure, ...] = ()) -> None:
     """One evaluate-model run of `model` (its base scoring `base`, each build its scores), decided and stored."""
-    with store.session(wh) as con:
-        store.start_run(con, "r1", "evaluate-model", model.model_id, "c.yaml", "h", "host", {})
-        store.record_model(con, "r1", model)
-        store.record_variant(con, "r1", build(model, "base", "base", 400), "base")
-        store.record_quality(con, "r1", "base", quality("k", base))
+    with sessions.session(wh) as con:
+        ledger.start_run(con, "r1", "evaluate-model", model.model_id, "c.yaml", "h", "host", {})
+        writers.record_model(con, "r1", model)
+        writers.record_variant(con, "r1", build(model, "base", "base", 400), "base")
+        writers.record_quality(con, "r1", "base", quality("k", base))
         for name, scores in builds.items():
-            store.record_variant(con, "r1", build(model, name, name), "variant")
-            store.record_quality(con, "r1", name, quality("k", scores))
-        evidence = store.decision_evidence(con, "r1", [("qg_mmlu", "acc")])
+            writers.record_variant(con, "r1", build(model, name, name), "variant")
+            writers.record_quality(con, "r1", name, quality("k", scores))
+        evidence = reads.decision_evidence(con, "r1", [("qg_mmlu", "acc")])
         decisions = [decide(row, 400, policy=POLICY, published=published, **evidence.of(row["variant_uid"]))
                      for row in evidence.variants]
-        store.record_decisions(con, "r1", decisions, POLICY.model_dump(mode="json"))
-        store.finish_run(con, "r1")
+        writers.record_decisions(con, "r1", decisions, POLICY.model_dump(mode="json"))
+        ledger.finish_run(con, "r1")
 
 
 def test_the_scorecard_the_run_end_checks_and_report_say_what_the_base_is(tiny_model: Path, tmp_path: Path) -> None:
@@ -169,11 +169,11 @@ def test_the_scorecard_the_run_end_checks_and_report_say_what_the_base_is(tiny_m
     model = fetch_model(spec(LocalSource(path=str(folder))), tmp_path / "cache")
     wh = tmp_path / "w.ducklake"
     decided_run(wh, model, BASE, {"lossless": BASE, "lossy": loses(BASE, 60)})
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         assert con.execute("SELECT prequantized, provenance, provenance_detail->>'evidence' FROM models").fetchall() == [
             (True, "8-bit fp8 (quantization_config)", "config.json quantization_config")]
-        assert store.model_of(con, model.uid) == model
-        card = store.rows(con, "SELECT * FROM variant_scorecard ORDER BY variant")
+        assert reads.model_of(con, model.uid) == model
+        card = reads.rows(con, "SELECT * FROM variant_scorecard ORDER BY variant")
     assert [(r["variant"], r["decision"], r["base_prequantized"], r["base_provenance"]) for r in card] == [
         ("lossless", "accept", True, "8-bit fp8 (quantization_config)"),
         ("lossy", "reject", True, "8-bit fp8 (quantization_config)")]
@@ -185,7 +185,7 @@ def test_the_scorecard_the_run_end_checks_and_report_say_what_the_base_is(tiny_m
     (label,) = [c for c in json.loads(checks.output) if c["kind"] == "baseline"]
     assert (label["check"], label["outcome"]) == ("base provenance", "pass")
     assert "recoveries are against a 8-bit fp8 (quantization_config) base" in label["note"]
-    html = report.render(store.connect(wh))
+    html = report.render(sessions.connect(wh))
     assert "<p class='note provenance'>m: recoveries are against a 8-bit fp8 (quantization_config) base" in html
 
 
@@ -195,24 +195,24 @@ def test_a_not_comparable_run_in_the_warehouse_and_on_the_command_line(tmp_path:
     weak = [1] * 140 + [0] * 260
     wh = tmp_path / "w.ducklake"
     decided_run(wh, model, broken, {"fine": broken, "lossy": loses(broken, 80)}, (PUBLISHED,))
-    with store.session(wh, read_only=True) as con:
-        card = {r["variant"]: r for r in store.rows(con, "SELECT * FROM variant_scorecard")}
+    with sessions.session(wh, read_only=True) as con:
+        card = {r["variant"]: r for r in reads.rows(con, "SELECT * FROM variant_scorecard")}
     assert {v: r["decision"] for v, r in card.items()} == {"fine": "not_comparable", "lossy": "not_comparable"}
     # The deciding check is the baseline's, before the lossy variant's failed gate.
     assert (card["lossy"]["deciding_check"], card["lossy"]["deciding_outcome"]) == ("baseline qg_mmlu/acc", "not_comparable")
     assert verdict_row(card["lossy"])["deciding_check"] == "baseline qg_mmlu/acc 0.55 vs 0.72 (not comparable)"
     assert card["fine"]["base_prequantized"] is False and verdict_row(card["fine"])["base_provenance"] is None
-    html = report.render(store.connect(wh))
+    html = report.render(sessions.connect(wh))
     assert "<tr class='not_comparable'>" in html and "baseline qg_mmlu/acc: 0.55 vs 0.72 (not comparable)" in html
     text = CliRunner().invoke(app, ["checks", "m", "-w", str(wh), "-f", "csv"])
     assert text.exit_code == 0 and "not_comparable" in text.output
 
     # A model without published figures and a variant crafted far above its base: not comparable, by its gate.
-    store.close_all()
+    sessions.close_all()
     wh2 = tmp_path / "w2.ducklake"
     decided_run(wh2, model, weak, {"leaked": [1] * 240 + [0] * 160})
-    with store.session(wh2, read_only=True) as con:
-        (row,) = store.rows(con, "SELECT * FROM variant_scorecard")
+    with sessions.session(wh2, read_only=True) as con:
+        (row,) = reads.rows(con, "SELECT * FROM variant_scorecard")
     assert (row["decision"], row["deciding_outcome"]) == ("not_comparable", "anomalous")
     assert verdict_row(row)["deciding_check"].startswith("qg_mmlu/acc 1.714 vs 0.95")
     assert verdict_row(row)["deciding_check"].endswith("(anomalous)")
@@ -222,14 +222,14 @@ def test_a_verdict_that_becomes_not_comparable_is_not_ranked_a_regression(tmp_pa
     model = ModelArtifact("m", "/m", "local", None, "abc" * 10)
     wh = tmp_path / "w.ducklake"
     decided_run(wh, model, BASE, {"v": BASE})
-    with store.session(wh) as con:
+    with sessions.session(wh) as con:
         con.execute("UPDATE runs SET started_at = started_at - INTERVAL 1 DAY WHERE run_id = 'r1'")
-        store.start_run(con, "r2", "evaluate-model", "m", "c.yaml", "h", "host", {})
-        store.link_variant(con, "r2", "v", "variant", reused=True)
-        store.record_decisions(con, "r2", [Decision("v", "not_comparable", "not_comparable: …", [], POLICY.hash,
-                                                    1.0, None, 0.25)], {})
-        store.finish_run(con, "r2")
-        (moved,) = store.rows(con, "SELECT * FROM regressions WHERE kind = 'decision'")
+        ledger.start_run(con, "r2", "evaluate-model", "m", "c.yaml", "h", "host", {})
+        writers.link_variant(con, "r2", "v", "variant", reused=True)
+        writers.record_decisions(con, "r2", [Decision("v", "not_comparable", "not_comparable: …", [], POLICY.hash,
+                                                      1.0, None, 0.25)], {})
+        ledger.finish_run(con, "r2")
+        (moved,) = reads.rows(con, "SELECT * FROM regressions WHERE kind = 'decision'")
     assert (moved["basis"], moved["change"], moved["flagged"]) == ("accept → not_comparable", "unknown", False)
 
 

@@ -26,7 +26,7 @@ from quantgate.tasks.adapters import loadtime
 from quantgate.tasks.steps import quantize
 from quantgate.tasks.steps.decide import decide
 from quantgate.tasks.steps.divergence import kl_divergence
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, reads, sessions, writers
 from tests.shared_data import SHARED
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
@@ -182,20 +182,20 @@ def test_without_bitsandbytes_the_variant_is_skipped_with_the_reason(tiny_model,
     model = _model(tiny_model)
     base = quantize.base_variant(model)
     wh = tmp_path / "w.ducklake"
-    with store.session(wh) as con:
-        store.start_run(con, "r1", "evaluate-model", "stories260k", None, None, "host", {})
-        store.record_model(con, "r1", model)
-        store.record_variant(con, "r1", base, "base")
-        store.record_variant(con, "r1", skipped, "variant")
-        row = store.rows(con, "SELECT * FROM variants WHERE variant_uid = ?", [skipped.uid])[0]
+    with sessions.session(wh) as con:
+        ledger.start_run(con, "r1", "evaluate-model", "stories260k", None, None, "host", {})
+        writers.record_model(con, "r1", model)
+        writers.record_variant(con, "r1", base, "base")
+        writers.record_variant(con, "r1", skipped, "variant")
+        row = reads.rows(con, "SELECT * FROM variants WHERE variant_uid = ?", [skipped.uid])[0]
         assert (row["status"], row["skipped"]) == ("failed", True)
-        assert store.find_variant(con, skipped.uid) is None
+        assert reads.find_variant(con, skipped.uid) is None
         policy = load_catalog().model("stories260k").policy
         decision = decide(row, base.size_bytes, [], [], policy)
         assert decision.decision == "reject"
         assert decision.reason == f"reject: not built (skipped): {skipped.error}"
-        store.record_decisions(con, "r1", [decision], policy.model_dump(mode="json"))
-        store.finish_run(con, "r1")
-        card = store.rows(con, "SELECT * FROM variant_scorecard")
+        writers.record_decisions(con, "r1", [decision], policy.model_dump(mode="json"))
+        ledger.finish_run(con, "r1")
+        card = reads.rows(con, "SELECT * FROM variant_scorecard")
     assert [(r["variant"], r["build_status"], r["decision"]) for r in card] == [("bnb-nf4", "skipped", "reject")]
     assert "bitsandbytes is not installed" in card[0]["reason"]

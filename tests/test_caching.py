@@ -24,7 +24,7 @@ from quantgate.tasks.steps.caching import (
 )
 from quantgate.tasks.steps import quantize
 from quantgate.tasks.steps.calibration import CalibrationError, evaluated_documents
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 from tests.shared_data import SHARED
 
 pytestmark = pytest.mark.slow
@@ -152,7 +152,7 @@ def test_an_overlapping_calibration_is_refused_on_a_rerun_too(tmp_path, capfd):
     args = ["run", "-c", str(catalog), "tiny", "-w", str(tmp_path / "w.ducklake"), "--workdir", str(tmp_path / "work")]
     messages = [assert_one_line(*quantgate(capfd, *args), f"calibration set text {STORIES.resolve()} overlaps") for _ in range(2)]
     assert messages[0] == messages[1]
-    with store.session(tmp_path / "w.ducklake", read_only=True) as con:
+    with sessions.session(tmp_path / "w.ducklake", read_only=True) as con:
         attempts = [a for (a,) in con.execute("SELECT attempt_id FROM run_attempts ORDER BY started_at").fetchall()]
     assert len(attempts) == 2 and all(task_states(a)["check calibration tiny"] == ["Failed"] for a in attempts)
 

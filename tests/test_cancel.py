@@ -80,9 +80,9 @@ def test_a_run_cancelled_from_prefect_ends_cancelled_and_is_not_started_again(de
     assert not left, f"still running after the cancel: {left}"
     [row] = attempts(deployed, "stories260k-b")  # no second attempt, here or on host-y
     assert (row["run_id"], row["run_status"], row["status"]) == (run_id, "cancelled", "cancelled")
-    from quantgate.warehouse import store
+    from quantgate.warehouse import sessions
 
-    with store.session(deployed["wh"], read_only=True) as con:
+    with sessions.session(deployed["wh"], read_only=True) as con:
         [(error, finished)] = con.execute("SELECT error, finished_at FROM runs WHERE run_id = ?", [run_id]).fetchall()
     assert error == "cancelled from Prefect during evaluate" and finished is not None
     # The Cancelled state carries the same reason (the worker then confirms it with its own message).

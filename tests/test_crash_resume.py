@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 from tests.cli_runs import run_cli, run_log, tables, tiny_catalog
 from tests.shared_data import TINY_MODEL
 
@@ -113,11 +113,11 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
     _kept(history[-1], final)
     _kept(history[0], final)
 
-    with store.session(wh, read_only=True) as con:
-        runs = store.rows(con, "SELECT run_id, status FROM runs")
+    with sessions.session(wh, read_only=True) as con:
+        runs = reads.rows(con, "SELECT run_id, status FROM runs")
         assert len(runs) == 1 and runs[0]["status"] == "completed"  # every attempt worked on one run
         run_id = runs[0]["run_id"]
-        attempts = store.rows(con, "SELECT status FROM run_attempts ORDER BY started_at")
+        attempts = reads.rows(con, "SELECT status FROM run_attempts ORDER BY started_at")
         assert [a["status"] for a in attempts] == ["abandoned"] * 5 + ["completed"]
         for table in RESULTS + ("runs", "run_attempts"):
             (n, distinct) = con.execute(f"SELECT count(*), count(DISTINCT t) FROM {table} t").fetchone()
@@ -125,7 +125,7 @@ def test_killed_in_every_stage_then_resumed_loses_and_duplicates_nothing(setup):
         # Exactly one result per thing measured: no row of a killed attempt stored beside its redo.
         assert con.execute("SELECT count(*) FROM speed_results").fetchone()[0] == 2
         assert con.execute("SELECT count(*) FROM quality_evals").fetchone()[0] == 3
-        decided = store.rows(con, "SELECT v.name, d.decision, d.reason FROM run_variants rv"
+        decided = reads.rows(con, "SELECT v.name, d.decision, d.reason FROM run_variants rv"
                                   " JOIN variants v USING (variant_uid)"
                                   " LEFT JOIN decisions d ON d.run_id = rv.run_id AND d.variant_uid = rv.variant_uid"
                                   " WHERE rv.run_id = ? AND rv.role = 'variant' ORDER BY v.name", [run_id])
@@ -154,7 +154,7 @@ def test_a_fresh_run_after_a_finished_one_reuses_speed_unless_remeasured(setup):
     assert "resuming run" not in output and output.count("speed unchanged since run") == 2  # base and the variant
     after = tables(wh)
     _kept(before, after)
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM runs WHERE status = 'completed'").fetchone()[0] == 2
         assert con.execute("SELECT count(DISTINCT run_id), count(*) FROM speed_results").fetchone() == (1, 2)
         assert con.execute("SELECT count(*) FROM quality_evals").fetchone()[0] == 3
@@ -168,7 +168,7 @@ def test_a_fresh_run_after_a_finished_one_reuses_speed_unless_remeasured(setup):
     result = run(None, "--remeasure")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "speed unchanged" not in result.stderr + result.stdout
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(DISTINCT run_id), count(*) FROM speed_results").fetchone() == (2, 4)
         latest = con.execute("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 1").fetchone()[0]
         assert con.execute("SELECT sum(engine_starts) FROM stage_times WHERE run_id = ? AND stage = 'benchmark'",

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.catalog.records import ModelArtifact
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions, writers
 from tests import postgres, prefect_server
 from tests.shared_data import REPO, TINY_MODEL
 from tests.warehouse_checks import duplicated_keys
@@ -69,12 +69,12 @@ policy:
 # A person's SQL session on the warehouse: read-only, one snapshot held open until told to go on, then a new one.
 READER = """
 import sys
-from quantgate.warehouse import store
-with store.session(read_only=True) as con:
+from quantgate.warehouse import reads, sessions, writers
+with sessions.session(read_only=True) as con:
     print("open", con.execute("SELECT count(*) FROM runs").fetchone()[0], flush=True)
     sys.stdin.readline()
     print("held", con.execute("SELECT count(*) FROM runs").fetchone()[0], flush=True)
-with store.session(read_only=True) as con:
+with sessions.session(read_only=True) as con:
     print("after", con.execute("SELECT count(*) FROM runs").fetchone()[0], flush=True)
 """
 
@@ -108,8 +108,8 @@ def deployed(tmp_path_factory):
         extra = {
             "PREFECT_API_DATABASE_CONNECTION_URL": postgres.database(conninfo, "prefect"),
             "QUANTGATE_REPO": str(REPO),
-            store.ENV_VAR: f"postgres:{conninfo}",
-            store.DATA_ENV_VAR: str(tmp / "lake") + "/",
+            sessions.ENV_VAR: f"postgres:{conninfo}",
+            sessions.DATA_ENV_VAR: str(tmp / "lake") + "/",
             "QUANTGATE_HOME": str(tmp / "work"),
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
@@ -122,12 +122,12 @@ def deployed(tmp_path_factory):
             done = subprocess.run([*CLI, "deploy"], env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, done.stderr + done.stdout
             with pytest.MonkeyPatch.context() as mp:  # this process reads the same warehouse as the workers
-                mp.setenv(store.ENV_VAR, extra[store.ENV_VAR])
-                mp.setenv(store.DATA_ENV_VAR, extra[store.DATA_ENV_VAR])
-                with store.session():
+                mp.setenv(sessions.ENV_VAR, extra[sessions.ENV_VAR])
+                mp.setenv(sessions.DATA_ENV_VAR, extra[sessions.DATA_ENV_VAR])
+                with sessions.session():
                     pass  # the warehouse exists before the reader opens it, as a team's does
                 yield {"url": url, "env": env, "tmp": tmp, "catalog": catalog, "models": models,
-                       "deploy_out": done.stdout, "wh": extra[store.ENV_VAR]}
+                       "deploy_out": done.stdout, "wh": extra[sessions.ENV_VAR]}
 
 
 class Hosts:
@@ -228,8 +228,8 @@ def submit(deployed: dict, model: str) -> str:
 
 
 def attempts(deployed: dict, model_id: str) -> list[dict]:
-    with store.session(deployed["wh"], read_only=True) as con:
-        return store.rows(con, "SELECT r.run_id, r.status AS run_status, r.started_at AS run_started,"
+    with sessions.session(deployed["wh"], read_only=True) as con:
+        return reads.rows(con, "SELECT r.run_id, r.status AS run_status, r.started_at AS run_started,"
                                " r.finished_at AS run_finished, a.attempt_id, a.host, a.status FROM runs r"
                                " JOIN run_attempts a USING (run_id) WHERE r.model_id = ? ORDER BY a.started_at",
                           [model_id])
@@ -279,11 +279,11 @@ def test_two_hosts_run_two_models_at_once_while_a_reader_holds_a_session(deploye
     assert [x["run_id"] for x in a] == [first] and [x["run_id"] for x in b] == [second]
     assert {a[0]["host"], b[0]["host"]} == {"host-a", "host-b"}  # one host each, at the same time
     assert a[0]["run_started"] < b[0]["run_finished"] and b[0]["run_started"] < a[0]["run_finished"]
-    with store.session(deployed["wh"], read_only=True) as con:
+    with sessions.session(deployed["wh"], read_only=True) as con:
         assert duplicated_keys(con) == {}
-        decided = store.rows(con, "SELECT run_id, variant_uid, decision FROM decisions ORDER BY run_id")
+        decided = reads.rows(con, "SELECT run_id, variant_uid, decision FROM decisions ORDER BY run_id")
         assert sorted(d["run_id"] for d in decided) == sorted([first, second])
-        speed = store.rows(con, "SELECT engine, status, reason FROM speed_results")
+        speed = reads.rows(con, "SELECT engine, status, reason FROM speed_results")
         assert speed and all(s["engine"] == "vllm" and s["status"] == "skipped" and "vllm" in s["reason"] for s in speed)
 
 
@@ -298,24 +298,24 @@ def test_the_same_model_submitted_twice_runs_once_at_a_time_and_the_second_reuse
     assert sorted(x["run_id"] for x in done) == sorted([first, second])
     earlier, later = done
     assert earlier["run_finished"] <= later["run_started"]  # one at a time: the model's lock
-    with store.session(deployed["wh"], read_only=True) as con:
+    with sessions.session(deployed["wh"], read_only=True) as con:
         assert duplicated_keys(con) == {}
         # One base and one build, stored once; the second run links them and their evaluations.
-        variants = store.rows(con, "SELECT v.name FROM variants v JOIN models m ON v.model_uid = m.model_uid"
+        variants = reads.rows(con, "SELECT v.name FROM variants v JOIN models m ON v.model_uid = m.model_uid"
                                    " WHERE m.model_id = 'stories260k-c' ORDER BY v.name")
         assert [v["name"] for v in variants] == ["base", "int8-w8a16"]
-        per_run = store.rows(con, "SELECT run_id, count(*) AS n FROM run_variants WHERE run_id IN (?, ?) GROUP BY ALL",
+        per_run = reads.rows(con, "SELECT run_id, count(*) AS n FROM run_variants WHERE run_id IN (?, ?) GROUP BY ALL",
                              [first, second])
         assert sorted(r["n"] for r in per_run) == [2, 2]
-        evaluated = store.rows(con, "SELECT run_id, count(*) AS n FROM quality_results WHERE run_id IN (?, ?)"
+        evaluated = reads.rows(con, "SELECT run_id, count(*) AS n FROM quality_results WHERE run_id IN (?, ?)"
                                     " AND metric = 'bits_per_byte' GROUP BY ALL", [first, second])
         assert evaluated == [{"run_id": earlier["run_id"], "n": 2}]  # evaluated once, by the first
-        linked = store.rows(con, "SELECT eval_key FROM run_variants WHERE run_id = ?", [later["run_id"]])
+        linked = reads.rows(con, "SELECT eval_key FROM run_variants WHERE run_id = ?", [later["run_id"]])
         assert len(linked) == 2 and all(r["eval_key"] for r in linked)
         samples = con.execute("SELECT count(*), count(DISTINCT (variant_uid, eval_key, task, doc_id, metric, filter))"
                               " FROM quality_samples").fetchone()
         assert samples[0] == samples[1]
-        marks = store.rows(con, "SELECT detail FROM run_stages WHERE run_id = ? AND stage = 'quantize'",
+        marks = reads.rows(con, "SELECT detail FROM run_stages WHERE run_id = ? AND stage = 'quantize'",
                            [later["run_id"]])
         assert marks and all(m["detail"] for m in marks)
 
@@ -349,9 +349,9 @@ def test_a_host_killed_mid_run_is_crashed_by_prefect_and_resumed_on_the_other(de
     done = attempts(deployed, "stories260k-d")
     assert [(x["run_id"], x["attempt_id"], x["host"], x["status"]) for x in done] == [
         (run_id, run_id, "host-c", "abandoned"), (run_id, f"{run_id}#2", "host-b", "completed")]
-    with store.session(deployed["wh"], read_only=True) as con:
+    with sessions.session(deployed["wh"], read_only=True) as con:
         assert duplicated_keys(con) == {}
-        by_attempt = store.rows(con, "SELECT stage, item, attempt_id FROM run_stages WHERE run_id = ? ORDER BY stage, item",
+        by_attempt = reads.rows(con, "SELECT stage, item, attempt_id FROM run_stages WHERE run_id = ? ORDER BY stage, item",
                                 [run_id])
     first = {(m["stage"], m["item"]) for m in by_attempt if m["attempt_id"] == run_id}
     # Download, the build and the base's evaluation were stored before the kill, and not done again.
@@ -397,8 +397,8 @@ def test_nightly_starts_only_models_whose_inputs_changed(deployed):
 def test_watcher_triggers_exactly_the_new_releases_once(deployed):
     env, tmp, wh = deployed["env"], deployed["tmp"], deployed["wh"]
     listing = json.loads(LISTING.read_text())
-    with store.session(wh) as con:  # the warehouse has evaluated one of the listed releases already
-        store.record_model(con, "earlier-run", ModelArtifact(
+    with sessions.session(wh) as con:  # the warehouse has evaluated one of the listed releases already
+        writers.record_model(con, "earlier-run", ModelArtifact(
             model_id="Qwen/Qwen2.5-0.5B-Instruct", path="/models/qwen", source="hub", revision=SEEN_SHA, sha=SEEN_SHA))
     watch = [*CLI, "watch", "--deployment", "evaluate-model/evaluate-model", "-c", str(deployed["catalog"])]
     # Qwen: the 3 newest Qwen2.5 models (limit 3; Qwen3 is not the family), one of them already seen;
@@ -442,5 +442,5 @@ def test_watcher_triggers_exactly_the_new_releases_once(deployed):
     with client(deployed["url"]) as c:
         after = [r for r in deployment_runs(c, "evaluate-model/evaluate-model") if "release" in r.tags]
     assert len(after) == len(expected) + 1
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM release_triggers").fetchone()[0] == len(expected) + 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from quantgate.flows import evaluate_model as em
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 from tests.cli_runs import tiny_catalog
 from tests.shared_data import TINY_MODEL
 
@@ -27,9 +27,9 @@ def test_engines_start_while_checkpoints_are_evaluated_and_measure_after_kl(tmp_
     wh = tmp_path / "w.ducklake"
     card = em.evaluate_model(model="tiny", catalog=str(cat), warehouse=str(wh), workdir=str(tmp_path / "work"))
     assert len(card) == 3 and all(r["decision"] in ("accept", "reject", "inconclusive") for r in card)
-    with store.session(wh, read_only=True) as con:
-        stages = store.rows(con, "SELECT stage, checkpoint, started_at, ended_at FROM stage_times")
-        windows = store.rows(con, "SELECT * FROM measurement_windows")
+    with sessions.session(wh, read_only=True) as con:
+        stages = reads.rows(con, "SELECT stage, checkpoint, started_at, ended_at FROM stage_times")
+        windows = reads.rows(con, "SELECT * FROM measurement_windows")
         speedups = dict(con.execute("SELECT v.name, s.speedup FROM variant_speedup s"
                                     " JOIN variants v USING (variant_uid)").fetchall())
     evaluated = max(s["ended_at"] for s in stages if s["stage"] == "evaluate")

@@ -21,7 +21,7 @@ import pytest
 from quantgate.catalog.scenarios import ServingScenario
 from quantgate.tasks.adapters.endpoint import Target, _name_and_version, endpoint_prompts, scrub
 from quantgate.tasks.adapters.speed.server import free_port, start_server
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("openai") is None,
                                 reason="transformers serve needs the openai package (test extra)")
@@ -89,17 +89,17 @@ def test_cli_benchmarks_a_real_server_into_the_warehouse(transformers_server, tm
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert KEY not in proc.stdout + proc.stderr
 
-    with store.session(wh, read_only=True) as con:
-        (speed,) = store.rows(con, "SELECT * FROM speed_results")
-        loads = {r["load"]: r for r in store.rows(con, "SELECT * FROM serving_loads")}
-        reqs = store.rows(con, "SELECT * FROM serving_requests ORDER BY load, request_index")
-        pct = {r["load"]: r for r in store.rows(con, "SELECT * FROM latency_percentiles")}
-        (ep,) = store.rows(con, "SELECT * FROM serving_endpoints")
-        cost = store.rows(con, "SELECT * FROM variant_cost")
-        prices = store.rows(con, "SELECT device, usd_per_hour FROM run_prices ORDER BY device")
+    with sessions.session(wh, read_only=True) as con:
+        (speed,) = reads.rows(con, "SELECT * FROM speed_results")
+        loads = {r["load"]: r for r in reads.rows(con, "SELECT * FROM serving_loads")}
+        reqs = reads.rows(con, "SELECT * FROM serving_requests ORDER BY load, request_index")
+        pct = {r["load"]: r for r in reads.rows(con, "SELECT * FROM latency_percentiles")}
+        (ep,) = reads.rows(con, "SELECT * FROM serving_endpoints")
+        cost = reads.rows(con, "SELECT * FROM variant_cost")
+        prices = reads.rows(con, "SELECT device, usd_per_hour FROM run_prices ORDER BY device")
         tables = [n for (n,) in con.execute("SELECT table_name FROM information_schema.tables"
                                            " WHERE table_catalog = current_database()").fetchall()]
-        dump = "".join(str(store.rows(con, f'SELECT * FROM "{t}"')) for t in tables)
+        dump = "".join(str(reads.rows(con, f'SELECT * FROM "{t}"')) for t in tables)
     assert speed["engine"] == "endpoint" and speed["status"] == "ok", speed["reason"]
     assert set(loads) == {"c=1", "c=2", "rate=4"}
     assert [loads[k]["num_prompts"] for k in ("c=1", "c=2", "rate=4")] == [2, 4, 4]

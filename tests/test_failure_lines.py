@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 from tests.cli_runs import copy_warehouse, run_cli, run_log, tables
 from tests.shared_data import TINY_MODEL
 from tests.test_bad_input import encoder_only, not_a_model, unchanged_but_the_failed_run, write_catalog
@@ -74,7 +74,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("seed") / "w.ducklake"
-    with store.session(path) as con:
+    with sessions.session(path) as con:
         seed_run(con, "r1")
     return path
 
@@ -148,8 +148,8 @@ def test_a_locked_warehouse(seeded, tmp_path, prefect_api):
     before = tables(wh)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from quantgate.warehouse import store
-        with store.session({str(wh)!r}) as con:
+        from quantgate.warehouse import sessions
+        with sessions.session({str(wh)!r}) as con:
             print("locked", flush=True)
             sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -20,7 +20,7 @@ from quantgate.tasks.adapters.engines import EngineOptions
 from quantgate.tasks.adapters.engines.transformers import TransformersEngine
 from quantgate.tasks.adapters.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.steps.benchmark import run_scenarios
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, reads, sessions, statements, transfer, writers
 
 
 class OutOfMemoryUntilSmall(TransformersEngine):
@@ -63,8 +63,8 @@ def test_vllm_out_of_memory_is_retried_with_less_memory_then_a_shorter_context(t
     assert [(a["gpu_memory_utilization"], a["max_model_len"]) for a in attempts] == [(0.8, 4096), (0.6, 4096)]
     assert attempts[0]["error"].startswith("OutOfMemoryError: CUDA out of memory")
     # What was finally used is stored with the result.
-    with store.session(tmp_path / "w.ducklake") as con:
-        store.record_speed(con, "r1", "v1", [result])
+    with sessions.session(tmp_path / "w.ducklake") as con:
+        writers.record_speed(con, "r1", "v1", [result])
         config, details = con.execute("SELECT config, details FROM speed_results").fetchone()
     used = json.loads(config)["engine_options"]
     assert (used["gpu_memory_utilization"], used["max_model_len"]) == (0.6, 12)
@@ -128,14 +128,14 @@ def test_the_one_oom_retry_reads_the_cause_from_the_log_and_counts_every_start(t
 
 
 def _begin(con, attempt, key="k"):
-    return store.begin_run(con, attempt, "evaluate-model", "m", key, "c.yaml", "h", "this-host", {})
+    return ledger.begin_run(con, attempt, "evaluate-model", "m", key, "c.yaml", "h", "this-host", {})
 
 
 def test_a_rerun_resumes_only_an_unfinished_run_of_the_same_request(tmp_path, monkeypatch):
     monkeypatch.setattr("platform.node", lambda: "this-host")
-    with store.session(tmp_path / "w.ducklake") as con:
+    with sessions.session(tmp_path / "w.ducklake") as con:
         assert _begin(con, "a1") == ("a1", False)
-        store.finish_run(con, "a1", attempt_id="a1")
+        ledger.finish_run(con, "a1", attempt_id="a1")
         assert _begin(con, "a2") == ("a2", False)  # after a finished run: a new run
         # a2's process is this one, so it may still be at work: a concurrent rerun does not take it over.
         con.execute("UPDATE run_attempts SET pid = ? WHERE attempt_id = 'a2'", [os.getppid()])
@@ -144,13 +144,13 @@ def test_a_rerun_resumes_only_an_unfinished_run_of_the_same_request(tmp_path, mo
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         con.execute("UPDATE run_attempts SET pid = ? WHERE attempt_id = 'a3'", [int(dead.stdout)])
         assert _begin(con, "a4") == ("a3", True)
-        assert store.rows(con, "SELECT attempt_id, run_id, status FROM run_attempts WHERE run_id = 'a3' ORDER BY 1") == [
+        assert reads.rows(con, "SELECT attempt_id, run_id, status FROM run_attempts WHERE run_id = 'a3' ORDER BY 1") == [
             {"attempt_id": "a3", "run_id": "a3", "status": "abandoned"},
             {"attempt_id": "a4", "run_id": "a3", "status": "running"}]
         # A Prefect retry of the same flow run continues its run.
         assert _begin(con, "a4") == ("a3", False)
         # a4 fails; a rerun asking for something else (another key) starts afresh and leaves a3 failed.
-        store.finish_run(con, "a3", error="boom", attempt_id="a4")
+        ledger.finish_run(con, "a3", error="boom", attempt_id="a4")
         assert _begin(con, "a5", key="other") == ("a5", False)
         assert con.execute("SELECT status, error FROM runs WHERE run_id = 'a3'").fetchone() == ("failed", "boom")
 
@@ -158,17 +158,17 @@ def test_a_rerun_resumes_only_an_unfinished_run_of_the_same_request(tmp_path, mo
 def test_stage_rows_and_their_mark_commit_together(tmp_path):
     from tests.test_warehouse import _speed
 
-    with store.session(tmp_path / "w.ducklake") as con:
-        with pytest.raises(RuntimeError), store.transaction(con):
-            store.record_speed(con, "r", "v", [_speed(1.0)])  # its own transaction joins the outer one
-            store.mark_stage(con, "r", "benchmark", "v", None, "a")
+    with sessions.session(tmp_path / "w.ducklake") as con:
+        with pytest.raises(RuntimeError), statements.transaction(con):
+            writers.record_speed(con, "r", "v", [_speed(1.0)])  # its own transaction joins the outer one
+            ledger.mark_stage(con, "r", "benchmark", "v", None, "a")
             raise RuntimeError("killed before commit")
         assert con.execute("SELECT count(*) FROM speed_results").fetchone()[0] == 0
-        assert store.completed_stages(con, "r") == {}
-        with store.transaction(con):
-            store.record_speed(con, "r", "v", [_speed(1.0)])
-            store.mark_stage(con, "r", "benchmark", "v", None, "a")
-        assert store.completed_stages(con, "r") == {("benchmark", "v"): None}
+        assert ledger.completed_stages(con, "r") == {}
+        with statements.transaction(con):
+            writers.record_speed(con, "r", "v", [_speed(1.0)])
+            ledger.mark_stage(con, "r", "benchmark", "v", None, "a")
+        assert ledger.completed_stages(con, "r") == {("benchmark", "v"): None}
 
 
 # --- NaN/Inf outputs -----------------------------------------------------------------------------
@@ -215,9 +215,9 @@ def test_finite_weights_with_nan_outputs_fail_the_variant(tiny_model, tmp_path):
     by_name = {r["variant"]: r for r in card}
     bad = by_name["rtn-w8a16"]
     assert bad["decision"] == "reject" and "rtn-w8a16: outputs contain NaN/Inf (qg_simple_stories/" in bad["reason"]
-    with store.session(tmp_path / "w.ducklake", read_only=True) as con:
+    with sessions.session(tmp_path / "w.ducklake", read_only=True) as con:
         assert con.execute("SELECT status FROM runs").fetchone()[0] == "completed"
-    with store.session(tmp_path / "w.ducklake", read_only=True) as con:
+    with sessions.session(tmp_path / "w.ducklake", read_only=True) as con:
         status, error = con.execute("SELECT status, error FROM variants WHERE variant_uid = ?", [poisoned.uid]).fetchone()
         # Not measured further: no KL or speed for a variant whose outputs are garbage.
         assert con.execute("SELECT count(*) FROM quality_evals WHERE variant_uid = ?", [poisoned.uid]).fetchone()[0] == 1
@@ -234,9 +234,9 @@ def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(
     from tests.test_warehouse import seed_run
     from tests.test_warehouse_import import legacy_warehouse
 
-    with store.session(tmp_path / "seed.ducklake") as con:
+    with sessions.session(tmp_path / "seed.ducklake") as con:
         seed_run(con, "r1")
-        store.export_parquet(con, tmp_path / "pq")
+        transfer.export_parquet(con, tmp_path / "pq")
     old = tmp_path / "old.duckdb"
     legacy_warehouse(old, tmp_path / "pq", upto=4, views=False)
     with duckdb.connect(str(old)) as con:
@@ -244,14 +244,14 @@ def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(
         before = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("runs", "variants",
                   "run_variants", "quality_results", "quality_samples", "speed_results")}
     path = tmp_path / "w.ducklake"
-    with store.session(path) as con:
+    with sessions.session(path) as con:
         legacy.import_duckdb(con, old)
         assert {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in before} == before
         assert con.execute("SELECT resume_key FROM runs").fetchall() == [(None,)]
         assert {r for (r,) in con.execute("SELECT skipped FROM variants").fetchall()} == {False}  # 0007's default
         assert con.execute("SELECT count(*) FROM run_variants WHERE speed_key IS NOT NULL OR speed_run_id IS NOT NULL"
                            " OR speed_variant_uid IS NOT NULL").fetchone() == (0,)
-    with store.session(path) as con:
+    with sessions.session(path) as con:
         # Its unfinished run has no attempts to tell whether it is still at work: a rerun starts afresh.
         assert _begin(con, "a1") == ("a1", False)
         assert con.execute("SELECT status FROM runs WHERE run_id = 'r1'").fetchone()[0] == "running"

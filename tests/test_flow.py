@@ -14,7 +14,7 @@ import pytest
 
 from quantgate.flows.evaluate_model import evaluate_model
 from quantgate.tasks.runtime import environment
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def two_runs(tmp_path_factory, tiny_model_module):
     tmp = tmp_path_factory.mktemp("flow")
     wh, work = str(tmp / "w.ducklake"), str(tmp / "work")
     first = evaluate_model(model="stories260k", warehouse=wh, workdir=work)
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         after_first = counts(con)
     second = evaluate_model(model="stories260k", warehouse=wh, workdir=work)
     return wh, first, second, after_first
@@ -47,13 +47,13 @@ def tiny_model_module():
 
 def test_first_run_stores_every_stage(two_runs):
     wh, first, _, _ = two_runs
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         (run_id, status, versions) = con.execute(
             "SELECT run_id, status, versions FROM runs ORDER BY started_at LIMIT 1").fetchone()
         assert status == "completed"
         # The run names the program that made it: the libraries and the lock this environment came from.
         assert json.loads(versions)["lock"] == environment.program()["lock"] and "transformers" in json.loads(versions)
-        built = store.rows(con, "SELECT name, method, status, size_bytes, recipe_hash FROM variants ORDER BY name")
+        built = reads.rows(con, "SELECT name, method, status, size_bytes, recipe_hash FROM variants ORDER BY name")
         assert [(r["name"], r["method"], r["status"]) for r in built] == [
             ("awq-w4a16-g32", "awq", "built"), ("base", "base", "built"), ("bnb-nf4", "bnb", "built"),
             ("gptq-w4a16-g32", "gptq", "built"), ("rtn-w2a16-g32", "rtn", "built")]
@@ -72,7 +72,7 @@ def test_first_run_stores_every_stage(two_runs):
         # config, quantization layout and shapes), so one of them was measured for both: 4 measured, 5 judged.
         # Transformers times the base and the bitsandbytes build; the compressed-tensors builds it would decompress
         # to 16 bits (the base's kernels again) are skipped with that reason.
-        speed = store.rows(con, "SELECT v.name, s.engine, s.status, s.reason, s.output_tokens FROM stg_speed_results s"
+        speed = reads.rows(con, "SELECT v.name, s.engine, s.status, s.reason, s.output_tokens FROM stg_speed_results s"
                                 " JOIN variants v USING (variant_uid) WHERE s.run_id = ?", [run_id])
         transformers = {r["name"]: r for r in speed if r["engine"] == "transformers"}
         assert len(transformers) == 5
@@ -124,11 +124,11 @@ def test_under_the_default_policy_piqa_is_uninformative_for_a_base_at_chance(two
     wh, _, _, _ = two_runs
     policy = load_catalog().policy
     assert ("qg_piqa", "acc") in {(g.task, g.metric) for g in policy.quality}
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         run_id = con.execute("SELECT run_id FROM runs ORDER BY started_at LIMIT 1").fetchone()[0]
-        piqa = store.rows(con, "SELECT chance, base_value, recovery, recovery_above_chance FROM variant_recovery"
+        piqa = reads.rows(con, "SELECT chance, base_value, recovery, recovery_above_chance FROM variant_recovery"
                                " WHERE run_id = ? AND task = 'qg_piqa' AND metric = 'acc'", [run_id])
-        evidence = store.decision_evidence(con, run_id, [(g.task, g.metric) for g in policy.quality])
+        evidence = reads.decision_evidence(con, run_id, [(g.task, g.metric) for g in policy.quality])
         base_size = con.execute("SELECT size_bytes FROM variants WHERE name = 'base'").fetchone()[0]
     assert len(piqa) == 4 and {r["chance"] for r in piqa} == {0.5}  # piqa's two solutions per item
     assert all(r["recovery_above_chance"] == pytest.approx((r["recovery"] * r["base_value"] - 0.5)
@@ -154,9 +154,9 @@ def test_bitsandbytes_nf4_goes_through_every_stage_on_cpu(two_runs):
     # In memory: two weights a byte (plus block scales); the fp32 embeddings stay as they are.
     assert 0.1 < nf4["size_ratio"] < 0.4
     assert nf4["reason"].split(":")[0] == nf4["decision"] and "qg_simple_stories/bits_per_byte recovery" in nf4["reason"]
-    with store.session(wh, read_only=True) as con:
-        row = store.rows(con, "SELECT recipe, lib_versions, path FROM variants WHERE name = 'bnb-nf4'")[0]
-        vllm = store.rows(con, "SELECT s.reason FROM speed_results s JOIN variants v USING (variant_uid)"
+    with sessions.session(wh, read_only=True) as con:
+        row = reads.rows(con, "SELECT recipe, lib_versions, path FROM variants WHERE name = 'bnb-nf4'")[0]
+        vllm = reads.rows(con, "SELECT s.reason FROM speed_results s JOIN variants v USING (variant_uid)"
                                " WHERE v.name = 'bnb-nf4' AND s.engine = 'vllm'")
     assert '"bnb_4bit_quant_type": "nf4"' in row["recipe"] and "bitsandbytes" in row["lib_versions"]
     assert not any(p.suffix == ".safetensors" for p in Path(row["path"]).iterdir())
@@ -169,8 +169,8 @@ def test_long_context_metric_is_in_the_scorecard(two_runs):
         # The 260K-parameter model finds few or none of the facts; the value is there, recovery only where base > 0.
         assert row["long_context"] is not None and 0 <= row["long_context"] <= 1, row
         assert row["long_context_base"] is not None
-    with store.session(wh, read_only=True) as con:
-        lc = store.rows(con, "SELECT * FROM variant_long_context")
+    with sessions.session(wh, read_only=True) as con:
+        lc = reads.rows(con, "SELECT * FROM variant_long_context")
     assert {r["long_context_task"] for r in lc} == {"qg_passkey"} and {r["long_context_items"] for r in lc} == {20}
 
 
@@ -188,11 +188,11 @@ def test_scorecard_is_published_as_prefect_artifacts(two_runs):
 
 def test_second_run_reuses_builds_and_adds_no_duplicates(two_runs):
     wh, first, second, after_first = two_runs
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         assert counts(con) == after_first
-        runs = store.rows(con, "SELECT run_id FROM runs ORDER BY started_at")
+        runs = reads.rows(con, "SELECT run_id FROM runs ORDER BY started_at")
         assert len(runs) == 2
-        reused = store.rows(con, "SELECT role, reused FROM run_variants WHERE run_id = ? AND role = 'variant'", [runs[1]["run_id"]])
+        reused = reads.rows(con, "SELECT role, reused FROM run_variants WHERE run_id = ? AND role = 'variant'", [runs[1]["run_id"]])
         assert len(reused) == 4 and all(r["reused"] for r in reused)
         assert con.execute("SELECT count(*) FROM decisions").fetchone()[0] == 8
     assert [r["variant"] for r in second] == [r["variant"] for r in first]
@@ -209,7 +209,7 @@ def test_cli_sql_is_read_only_and_errors_are_one_line(two_runs):
     assert sorted(ok.stdout.splitlines()[1:]) == sorted(f"{r['variant']},{r['decision']}" for r in first)
     write = subprocess.run([*cli, "sql", "delete from runs", "-w", wh], capture_output=True, text=True)
     assert write.returncode != 0 and "queries only (SELECT, EXPLAIN), not DELETE" in write.stderr
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 2
     unknown = subprocess.run([*cli, "run", "no-such-model", "-w", wh], capture_output=True, text=True)
     assert unknown.returncode == 1
@@ -220,9 +220,9 @@ def test_every_measurement_has_its_window_and_nothing_overlaps_it(two_runs):
     """The CPU run measures after KL, one engine at a time; the view holds the GPU run to the same rule, where
     engines start beside the builds and evaluations (tests/test_gpu_clock.py has that interleaving)."""
     wh, *_ = two_runs
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         measured = con.execute("SELECT count(*) FROM speed_results WHERE status = 'ok'").fetchone()[0]
-        windows = store.rows(con, "SELECT * FROM measurement_windows")
+        windows = reads.rows(con, "SELECT * FROM measurement_windows")
     assert measured and len(windows) == measured
     assert all(w["seconds"] > 0 and w["waited_s"] >= 0 for w in windows)
     assert [(w["overlapping_work"], w["overlapping_measurements"]) for w in windows] == [(0, 0)] * len(windows)

@@ -27,7 +27,7 @@ from quantgate.tasks.adapters.speed.vllm_cli import looks_like_oom, root_cause, 
 from quantgate.tasks.runtime.launch import LaunchError, on_gpus
 from quantgate.tasks.steps.benchmark import run_scenarios
 from quantgate.tasks.adapters.dummy_weights import QWEN25_7B_INSTRUCT, write_dummy_checkpoint
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 from tests.shapes import TINY_QWEN
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,11 +263,11 @@ def test_flow_on_a_cpu_machine_runs_cpu_steps_and_records_gpu_ones_as_skipped(tm
         "vllm is not installed (install the 'gpu' extra on a CUDA machine)"}
     assert {s["reason"] for s in steps[2:] if s["engine"] == "transformers"} == {
         "the scenario asks for cuda but no CUDA GPU is visible to transformers"}
-    with store.session(wh, read_only=True) as con:
-        (run,) = store.rows(con, "SELECT * FROM runs")
+    with sessions.session(wh, read_only=True) as con:
+        (run,) = reads.rows(con, "SELECT * FROM runs")
         assert (run["flow_name"], run["model_id"], run["status"]) == ("gpu-suite", "tiny", "completed")
         speed = {(r["engine"], r["scenario"], r["variant_uid"].rsplit(":", 1)[1]): r
-                 for r in store.rows(con, "SELECT * FROM speed_results")}
+                 for r in reads.rows(con, "SELECT * FROM speed_results")}
         lat = speed[("transformers", "cpu-latency", "dummy-bf16")]
         assert lat["status"] == "ok" and lat["decode_tokens_per_s"] == pytest.approx(1000 / lat["tpot_ms"])
         assert speed[("transformers", "cpu-offline", "dummy-w4a16-g32")]["status"] == "ok"
@@ -296,10 +296,10 @@ def test_flow_on_two_gpu_lanes_runs_each_step_in_its_own_process_into_one_run(tm
 
     assert [(s["part"], s["build"], s["status"]) for s in steps] == [
         ("cpu", "bf16", "ok"), ("cpu", "w4a16-g32", "ok"), ("tp2", "bf16", "skipped")]
-    with store.session(wh, read_only=True) as con:
-        (run,) = store.rows(con, "SELECT * FROM runs")
+    with sessions.session(wh, read_only=True) as con:
+        (run,) = reads.rows(con, "SELECT * FROM runs")
         assert run["status"] == "completed"
-        rows = store.rows(con, "SELECT run_id, scenario, status FROM speed_results ORDER BY scenario, variant_uid")
+        rows = reads.rows(con, "SELECT run_id, scenario, status FROM speed_results ORDER BY scenario, variant_uid")
     assert {r["run_id"] for r in rows} == {run["run_id"]}
     assert [(r["scenario"], r["status"]) for r in rows] == [
         ("cpu-latency", "ok"), ("cpu-offline", "ok"), ("cpu-offline", "ok"), ("offline-tp2", "skipped")]
@@ -314,7 +314,7 @@ def test_flow_past_its_deadline_starts_nothing(tmp_path, prefect_api):
 
     assert [(s["part"], s["status"]) for s in steps] == [("cpu", "skipped"), ("cpu", "skipped"), ("serving", "skipped")]
     assert all(s["reason"].startswith("deadline: not started") for s in steps)
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM speed_results WHERE status = 'skipped'").fetchone()[0] == 4
         # Dummy weights of the shape: random, as a shape run's, and marked so.
         assert con.execute("SELECT model_id, random_weights FROM models").fetchall() == [("tiny", True)]

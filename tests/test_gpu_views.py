@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from quantgate.catalog.records import ModelArtifact, RequestRecord, ServingLoad, Slo, SpeedResult, VariantArtifact
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, reads, sessions, transfer, writers
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "run-1"
@@ -52,12 +52,12 @@ def _speed(
 
 @pytest.fixture
 def con(tmp_path):
-    with store.session(tmp_path / "w.ducklake") as con:
-        store.start_run(con, RUN, "gpu-suite", "qwen-7b", "gpu.yaml", "h", "host", {"vllm": "0.26.0"})
-        store.record_model(con, RUN, ModelArtifact("qwen-7b", "/m", "local", None, "abc" * 10))
-        store.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
-        store.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
-        store.record_speed(con, RUN, BASE, [
+    with sessions.session(tmp_path / "w.ducklake") as con:
+        ledger.start_run(con, RUN, "gpu-suite", "qwen-7b", "gpu.yaml", "h", "host", {"vllm": "0.26.0"})
+        writers.record_model(con, RUN, ModelArtifact("qwen-7b", "/m", "local", None, "abc" * 10))
+        writers.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
+        writers.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
+        writers.record_speed(con, RUN, BASE, [
             _speed("vllm", "offline", 1000.0, 3000.0, device="NVIDIA H200",
                    repetitions=[{"tokens_per_s": t, "wall_s": 1.0, "other_cpu_s": o, "steal_s": 0.0}
                                 for t, o in ((900.0, 3.0), (1000.0, 0.5), (1200.0, 0.25))]),
@@ -68,7 +68,7 @@ def con(tmp_path):
             _speed("vllm", "latency-eager", 70.0, tpot_ms=14.0, decode_tokens_per_s=1000 / 14.0),
             _speed("vllm", "serving", 5000.0, kv_cache_tokens=1000, kv_cache_bytes=57_344_000),
         ])
-        store.record_speed(con, RUN, W4, [
+        writers.record_speed(con, RUN, W4, [
             _speed("vllm", "offline", 1500.0, 4500.0), _speed("transformers", "offline", None, status="failed"),
         ])
         loads = [
@@ -79,12 +79,12 @@ def con(tmp_path):
             ServingLoad("rate=4", None, 4.0, [_request(0, 12, 5, [5.0, 5.0], n=3), _request(1, 0, None, [], ok=False)],
                         duration_s=1.0, energy_j=None),
         ]
-        store.record_serving(con, RUN, BASE, "vllm", "serving", loads, Slo(ttft_ms=35, tpot_ms=50))
+        writers.record_serving(con, RUN, BASE, "vllm", "serving", loads, Slo(ttft_ms=35, tpot_ms=50))
         yield con
 
 
 def test_latency_percentiles_match_numpy_linear_interpolation(con):
-    rows = {r["load"]: r for r in store.rows(con, "SELECT * FROM latency_percentiles")}
+    rows = {r["load"]: r for r in reads.rows(con, "SELECT * FROM latency_percentiles")}
 
     c2 = rows["c=2"]
     assert (c2["requests"], c2["completed"], c2["max_concurrency"], c2["duration_s"]) == (4, 4, 2, 2.0)
@@ -102,7 +102,7 @@ def test_latency_percentiles_match_numpy_linear_interpolation(con):
 
 
 def test_goodput_counts_requests_within_the_slo_per_second(con):
-    rows = {r["load"]: r for r in store.rows(con, "SELECT * FROM serving_goodput")}
+    rows = {r["load"]: r for r in reads.rows(con, "SELECT * FROM serving_goodput")}
 
     c2 = rows["c=2"]
     # TTFT <= 35 ms and TPOT <= 50 ms: requests 0, 1 and 2; request 3 misses both limits.
@@ -117,15 +117,15 @@ def test_goodput_counts_requests_within_the_slo_per_second(con):
 
 def test_serving_rows_are_replaced_not_duplicated(con):
     load = ServingLoad("c=1", 1, None, [_request(0, 10, 5, [5.0])], duration_s=1.0)
-    store.record_serving(con, RUN, BASE, "vllm", "serving", [load], None)
+    writers.record_serving(con, RUN, BASE, "vllm", "serving", [load], None)
 
     assert con.execute("SELECT list(load) FROM serving_loads").fetchone()[0] == ["c=1"]
     assert con.execute("SELECT count(*), any_value(itl_ms) FROM serving_requests").fetchone() == (1, [5.0])
-    assert store.rows(con, "SELECT good_requests FROM serving_goodput")[0]["good_requests"] == 1  # no SLO: all good
+    assert reads.rows(con, "SELECT good_requests FROM serving_goodput")[0]["good_requests"] == 1  # no SLO: all good
 
 
 def test_crosscheck_compares_like_for_like_and_engines_side_by_side(con):
-    (cc,) = store.rows(con, "SELECT * FROM vllm_crosscheck")
+    (cc,) = reads.rows(con, "SELECT * FROM vllm_crosscheck")
     assert (cc["variant_uid"], cc["scenario"]) == (BASE, "offline")
     assert cc["output_gap_pct"] == pytest.approx(100 * (1000 - 1100) / 1100)
     assert cc["total_gap_pct"] == pytest.approx(100 * (3000 - 3300) / 3300)
@@ -140,33 +140,33 @@ def test_crosscheck_compares_like_for_like_and_engines_side_by_side(con):
     assert cc["output_gap_high_pct"] == pytest.approx(100 * (1200 / 1100 - 1))
     assert cc["agreement"] == "passes too spread to resolve 3% (every pairing: -18.2% to +9.1%)"
 
-    (cmp,) = store.rows(con, "SELECT * FROM engine_comparison")
+    (cmp,) = reads.rows(con, "SELECT * FROM engine_comparison")
     assert (cmp["variant"], cmp["weights"], cmp["vllm_over_transformers"]) == ("bf16", "dummy", 4.0)
-    speedups = {(r["engine"], r["scenario"]): r["speedup"] for r in store.rows(con, "SELECT * FROM variant_speedup")}
+    speedups = {(r["engine"], r["scenario"]): r["speedup"] for r in reads.rows(con, "SELECT * FROM variant_speedup")}
     assert speedups[("vllm", "offline")] == pytest.approx(1.5)
 
 
 def test_dummy_variants_and_new_columns_are_stored(con):
     assert con.execute("SELECT list(DISTINCT weights) FROM variants").fetchone()[0] == ["dummy"]
-    row = store.rows(con, "SELECT * FROM speed_results WHERE scenario = 'latency'")[0]
+    row = reads.rows(con, "SELECT * FROM speed_results WHERE scenario = 'latency'")[0]
     assert (row["bandwidth_gbps"], row["weight_bytes_per_token"], row["roofline_fraction"]) == (4300.0, 14_141_245_440, 0.46)
     # A variant recorded without saying so is real.
     real = VariantArtifact(uid="r", model_uid="m@abc", name="real", method="gptq", scheme="W4A16", bits=4,
                            group_size=128, path="/r", recipe="x", recipe_hash="h")
-    store.record_variant(con, RUN, real, "variant")
+    writers.record_variant(con, RUN, real, "variant")
     assert con.execute("SELECT weights FROM variants WHERE variant_uid = 'r'").fetchone()[0] == "real"
 
 
 def test_export_and_summary(con, tmp_path):
-    files = store.export_parquet(con, tmp_path / "pq")
+    files = transfer.export_parquet(con, tmp_path / "pq")
     names = {f.stem for f in files}
     assert {"speed_results", "serving_requests", "suite_steps", "runs"} <= names
     assert not names & {"latency_percentiles", "vllm_crosscheck", "variant_scorecard"}  # views are derived
-    with_views = {f.stem for f in store.export_parquet(con, tmp_path / "all", views=True)}
+    with_views = {f.stem for f in transfer.export_parquet(con, tmp_path / "all", views=True)}
     assert {"latency_percentiles", "vllm_crosscheck"} <= with_views and names < with_views
     assert duckdb.sql(f"SELECT count(*) FROM '{tmp_path / 'pq' / 'serving_requests.parquet'}'").fetchone()[0] == 6
 
-    store.record_prices(con, RUN, {"NVIDIA H200": 3.6})
+    writers.record_prices(con, RUN, {"NVIDIA H200": 3.6})
     text = _summary_module().render(con)
     assert text.startswith("# GPU suite: qwen-7b on NVIDIA H200")
     # 3.6 US$/h ÷ (1,000 tok/s × 3,600 s) × 1e6 = 1 US$ per million output tokens.
@@ -182,17 +182,17 @@ def test_speedup_carries_the_range_its_passes_allow(tmp_path):
     def passes(*tps: float) -> list[dict]:
         return [{"tokens_per_s": t, "wall_s": 1.0} for t in tps]
 
-    with store.session(tmp_path / "r.ducklake") as con:
-        store.start_run(con, RUN, "evaluate-model", "qwen-7b", "models.yaml", "h", "host", {})
-        store.record_model(con, RUN, ModelArtifact("qwen-7b", "/m", "local", None, "abc" * 10))
-        store.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
-        store.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
+    with sessions.session(tmp_path / "r.ducklake") as con:
+        ledger.start_run(con, RUN, "evaluate-model", "qwen-7b", "models.yaml", "h", "host", {})
+        writers.record_model(con, RUN, ModelArtifact("qwen-7b", "/m", "local", None, "abc" * 10))
+        writers.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
+        writers.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
         # reference5's FP8 on ref-offline, and a scenario with one pass a side (no range).
-        store.record_speed(con, RUN, BASE, [_speed("vllm", "offline", 20491.0, repetitions=passes(20609, 20458, 20491)),
-                                            _speed("vllm", "one", 100.0, repetitions=passes(100))])
-        store.record_speed(con, RUN, W4, [_speed("vllm", "offline", 20896.0, repetitions=passes(20896, 19976, 20991)),
-                                          _speed("vllm", "one", 120.0, repetitions=passes(120))])
-        rows = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM variant_speedup")}
+        writers.record_speed(con, RUN, BASE, [_speed("vllm", "offline", 20491.0, repetitions=passes(20609, 20458, 20491)),
+                                              _speed("vllm", "one", 100.0, repetitions=passes(100))])
+        writers.record_speed(con, RUN, W4, [_speed("vllm", "offline", 20896.0, repetitions=passes(20896, 19976, 20991)),
+                                            _speed("vllm", "one", 120.0, repetitions=passes(120))])
+        rows = {r["scenario"]: r for r in reads.rows(con, "SELECT * FROM variant_speedup")}
     off = rows["offline"]
     assert off["speedup"] == pytest.approx(20896 / 20491)
     assert off["speedup_low"] == pytest.approx(19976 / 20609) and off["speedup_high"] == pytest.approx(20991 / 20458)
@@ -206,28 +206,28 @@ def test_crosscheck_agreement_and_host_bound_rows_from_their_passes(tmp_path):
         """Passes of 1 s whose engine core (the group less this process) was on a CPU `busy` of the time."""
         return [{"tokens_per_s": t, "wall_s": 1.0, "cpu_s": 0.1 + busy, "front_cpu_s": 0.1} for t in tps]
 
-    with store.session(tmp_path / "h.ducklake") as con:
-        store.start_run(con, RUN, "evaluate-model", "qwen-1.5b", "models.yaml", "h", "host", {})
-        store.record_model(con, RUN, ModelArtifact("qwen-1.5b", "/m", "local", None, "abc" * 10))
-        store.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
-        store.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
+    with sessions.session(tmp_path / "h.ducklake") as con:
+        ledger.start_run(con, RUN, "evaluate-model", "qwen-1.5b", "models.yaml", "h", "host", {})
+        writers.record_model(con, RUN, ModelArtifact("qwen-1.5b", "/m", "local", None, "abc" * 10))
+        writers.record_variant(con, RUN, _variant(BASE, "bf16", "base"), "base")
+        writers.record_variant(con, RUN, _variant(W4, "w4a16", "dummy"), "variant")
         # Weights of 3.087 GB over 4,200 GB/s: a 0.735 ms floor per decode step (reference9's base on the H200).
         latency = dict(tpot_ms=2.7, bandwidth_gbps=4200.0, weight_bytes_per_token=3_087_431_680)
-        store.record_speed(con, RUN, BASE, [
+        writers.record_speed(con, RUN, BASE, [
             _speed("vllm", "latency", 370.0, repetitions=clocked([370, 371], 0.97), **latency),
             _speed("vllm", "offline", 1000.0, tpot_ms=5.1, repetitions=clocked([990, 1000, 1010], 0.97)),
             _speed("vllm-bench", "offline", 1000.0, repetitions=[{"tokens_per_s": t} for t in (995, 1000, 1005)]),
             _speed("vllm", "far", 1105.0, tpot_ms=5.1, repetitions=clocked([1100, 1110], 0.5)),
             _speed("vllm-bench", "far", 1000.0, repetitions=[{"tokens_per_s": t} for t in (1000, 1010)]),
         ])
-        store.record_speed(con, RUN, W4, [
+        writers.record_speed(con, RUN, W4, [
             _speed("vllm", "latency", 400.0, repetitions=clocked([400, 401], 0.4), **latency),
             _speed("vllm", "offline", 1100.0, tpot_ms=1.5, repetitions=clocked([1100, 1100], 0.97)),
         ])
-        checks = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM vllm_crosscheck")}
+        checks = {r["scenario"]: r for r in reads.rows(con, "SELECT * FROM vllm_crosscheck")}
         passes = {(r["variant_uid"], r["scenario"]): r
-                  for r in store.rows(con, "SELECT * FROM stg_speed_passes WHERE engine = 'vllm'")}
-        speedups = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM variant_speedup")}
+                  for r in reads.rows(con, "SELECT * FROM stg_speed_passes WHERE engine = 'vllm'")}
+        speedups = {r["scenario"]: r for r in reads.rows(con, "SELECT * FROM variant_speedup")}
     assert checks["offline"]["agreement"] == "within 3% (every pairing of passes: -1.5% to +1.5%)"
     assert checks["far"]["agreement"] == "differs by +10.5% (every pairing of passes: +8.9% to +11.0%)"
     # The base's offline row: its engine core on a CPU 97% of each pass, steps of 5.1 ms against a 0.735 ms floor.

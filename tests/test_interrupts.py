@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 from tests.cli_runs import CLI, error_lines, run_cli
 from tests.shared_data import TINY_MODEL
 from tests.test_crash_resume import catalog
@@ -84,9 +84,9 @@ def test_interrupted_in_every_stage_fails_the_run_then_resumes(tmp_path, prefect
         assert code == 128 + sig, err
         assert "Traceback" not in err
         assert error_lines(err) == [f"error: interrupted ({name}) during {stage}"], err
-        with store.session(wh, read_only=True) as con:
-            runs = store.rows(con, "SELECT run_id, status, error FROM runs")
-            attempts = store.rows(con, "SELECT status, error FROM run_attempts ORDER BY started_at")
+        with sessions.session(wh, read_only=True) as con:
+            runs = reads.rows(con, "SELECT run_id, status, error FROM runs")
+            attempts = reads.rows(con, "SELECT status, error FROM run_attempts ORDER BY started_at")
         assert [(r["status"], r["error"]) for r in runs] == [("failed", f"interrupted ({name}) during {stage}")]
         assert attempts[-1] == {"status": "failed", "error": f"interrupted ({name}) during {stage}"}
         run_ids.add(runs[0]["run_id"])
@@ -94,7 +94,7 @@ def test_interrupted_in_every_stage_fails_the_run_then_resumes(tmp_path, prefect
 
     done = run_cli(args, prefect_api, {"QUANTGATE_FAULT": ""})
     assert done.returncode == 0, done.stderr[-3000:]
-    with store.session(wh, read_only=True) as con:
-        assert store.rows(con, "SELECT run_id, status FROM runs") == [{"run_id": run_ids.pop(), "status": "completed"}]
+    with sessions.session(wh, read_only=True) as con:
+        assert reads.rows(con, "SELECT run_id, status FROM runs") == [{"run_id": run_ids.pop(), "status": "completed"}]
         assert con.execute("SELECT count(*) FROM run_attempts").fetchone()[0] == len(CASES) + 1
         assert con.execute("SELECT count(*) FROM decisions").fetchone()[0] == 2

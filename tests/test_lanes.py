@@ -11,7 +11,7 @@ import pytest
 
 from quantgate.flows.evaluate_model import evaluate_model
 from quantgate.tasks.runtime import launch
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 from tests.cli_runs import CATALOG_HEAD
 from tests.shared_data import TINY_MODEL
 
@@ -58,10 +58,10 @@ def test_two_lanes_measure_two_checkpoints_side_by_side_each_on_its_own_gpu(tmp_
     card = evaluate_model(model="tiny", catalog=str(catalog(tmp_path)), warehouse=wh, workdir=str(tmp_path / "work"),
                           gpus="0,1")
     run_id = card[0]["run_id"]
-    with store.session(wh, read_only=True) as con:
-        rows = store.rows(con, "SELECT v.name, s.scenario, s.status, s.details->>'cuda_visible_devices' AS gpu"
+    with sessions.session(wh, read_only=True) as con:
+        rows = reads.rows(con, "SELECT v.name, s.scenario, s.status, s.details->>'cuda_visible_devices' AS gpu"
                                " FROM speed_results s JOIN variants v USING (variant_uid) WHERE run_id = ?", [run_id])
-        stages = store.rows(con, "SELECT checkpoint, started_at, ended_at, engine_starts FROM stage_times"
+        stages = reads.rows(con, "SELECT checkpoint, started_at, ended_at, engine_starts FROM stage_times"
                                  " WHERE run_id = ? AND stage = 'benchmark' ORDER BY checkpoint", [run_id])
     assert sorted((r["name"], r["scenario"], r["status"]) for r in rows) == [
         ("base", "long", "ok"), ("base", "short", "ok"), ("int8-w8a16", "long", "ok"), ("int8-w8a16", "short", "ok")]

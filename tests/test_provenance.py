@@ -18,7 +18,7 @@ from quantgate.catalog.records import ModelArtifact
 from quantgate.catalog.sources import GgufSource, LocalSource
 from quantgate.tasks.adapters.provenance import gguf_name_provenance, gguf_provenance
 from quantgate.tasks.steps.download import fetch_model
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, reads, sessions, writers
 from tests.tiny_gguf import write_stories_gguf
 
 
@@ -33,12 +33,12 @@ def test_a_gguf_base_records_the_quant_type_its_file_says(tiny_model: Path, tmp_
     assert quantized.provenance == gguf_provenance(tmp_path / "stories-q8.gguf")
     assert (quantized.provenance.quantized, quantized.provenance.label, quantized.provenance.bits,
             quantized.provenance.evidence) == (True, "Q8_0 GGUF", 8, "general.file_type")
-    with store.session(tmp_path / "w.ducklake") as con:  # kept with the model's row, read back whole by a resume
-        store.start_run(con, "r1", "evaluate-model", "m", "c.yaml", "h", "host", {})
-        store.record_model(con, "r1", quantized)
+    with sessions.session(tmp_path / "w.ducklake") as con:  # kept with the model's row, read back whole by a resume
+        ledger.start_run(con, "r1", "evaluate-model", "m", "c.yaml", "h", "host", {})
+        writers.record_model(con, "r1", quantized)
         assert con.execute("SELECT prequantized, provenance, provenance_detail->>'evidence' FROM models").fetchall() == [
             (True, "Q8_0 GGUF", "general.file_type")]
-        assert store.model_of(con, quantized.uid) == quantized
+        assert reads.model_of(con, quantized.uid) == quantized
     # A float32 file (no file type in its header) is a GGUF that was never quantized: its tensors say so.
     write_stories_gguf(tiny_model, tmp_path / "stories.gguf")
     plain = fetch_model(spec(GgufSource(path=str(tmp_path), file="stories.gguf")), tmp_path / "cache")
@@ -83,27 +83,27 @@ def test_a_checkpoint_with_a_quantization_config_records_it(tiny_model: Path, tm
 
 def test_models_stored_before_migration_15_get_their_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mig = tmp_path / "migrations"
-    shutil.copytree(store.MIGRATIONS, mig)
+    shutil.copytree(sessions.MIGRATIONS, mig)
     (mig / "0015_base_provenance.sql").unlink()
-    real = store.MIGRATIONS, store.VIEWS
-    monkeypatch.setattr(store, "MIGRATIONS", mig)
-    monkeypatch.setattr(store, "VIEWS", tmp_path / "no-views")  # today's views read the columns 0015 adds
+    real = sessions.MIGRATIONS, sessions.VIEWS
+    monkeypatch.setattr(sessions, "MIGRATIONS", mig)
+    monkeypatch.setattr(sessions, "VIEWS", tmp_path / "no-views")  # today's views read the columns 0015 adds
     path = tmp_path / "w.ducklake"
     stored = {"gguf": ("q@1", "/w/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m-0123456789ab"),
               "plain": ("p@1", "/w/gguf/stories-0123456789ab"), "local": ("local@s", "/models/l")}
-    with store.session(path) as con:  # as quantgate wrote them before: no provenance columns
+    with sessions.session(path) as con:  # as quantgate wrote them before: no provenance columns
         for name, (uid, where) in stored.items():
             con.execute("INSERT INTO models (model_uid, model_id, source, sha, path, first_run_id) VALUES (?, ?, ?, ?,"
                         " ?, 'r0')", [uid, name, "local" if name == "local" else "gguf", "s", where])
-    store.close_all()
-    monkeypatch.setattr(store, "MIGRATIONS", real[0])
-    monkeypatch.setattr(store, "VIEWS", real[1])
-    with store.session(path) as con:
+    sessions.close_all()
+    monkeypatch.setattr(sessions, "MIGRATIONS", real[0])
+    monkeypatch.setattr(sessions, "VIEWS", real[1])
+    with sessions.session(path) as con:
         found = con.execute("SELECT model_id, prequantized, provenance, provenance_detail->>'quant_type' FROM models"
                             " ORDER BY 1").fetchall()
         assert found == [("gguf", True, "Q4_K_M GGUF", "Q4_K_M"), ("local", None, None, None), ("plain", None, None, None)]
-        assert store.model_of(con, "q@1").provenance.label == "Q4_K_M GGUF"
+        assert reads.model_of(con, "q@1").provenance.label == "Q4_K_M GGUF"
         # The next run of a model stored without provenance records its reading on the row it finds.
-        store.record_model(con, "r1", ModelArtifact("local", "/models/l", "local", None, "s"))
+        writers.record_model(con, "r1", ModelArtifact("local", "/models/l", "local", None, "s"))
         assert con.execute("SELECT prequantized, provenance FROM models WHERE model_id = 'local'").fetchall() == [
             (False, None)]

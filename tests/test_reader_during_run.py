@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 from tests.cli_runs import run_cli, tiny_catalog
 from tests.shared_data import TINY_MODEL
 
@@ -24,7 +24,7 @@ def test_a_duckdb_cli_session_held_open_during_a_run_does_not_stop_it(tmp_path, 
         pytest.skip(f"shared tiny model not found at {TINY_MODEL}")
     cat = tiny_catalog(tmp_path, TINY_MODEL, {"rtn-w8a16": "{method: rtn, scheme: W8A16, group_size: null}"})
     wh, work = tmp_path / "w.ducklake", tmp_path / "work"
-    with store.session(wh):
+    with sessions.session(wh):
         pass  # the warehouse exists before the reader opens it, as it does for anyone reading a team's
     init = run_cli(["warehouse", "init-sql", "-w", str(wh)])
     assert init.returncode == 0, init.stderr

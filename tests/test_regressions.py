@@ -1,5 +1,5 @@
 """Decisions you can trust, in the warehouse: flip rates, per-item stderrs, regressions across runs, the
-scorecard's confidence columns and export. Real DuckDB, rows seeded through the store's own writes."""
+scorecard's confidence columns and export. Real DuckDB, rows seeded through the warehouse's own writers."""
 
 import math
 
@@ -13,7 +13,7 @@ from quantgate.catalog.records import (
     MetricResult, ModelArtifact, QualityReport, SampleResult, SpeedResult, VariantArtifact,
 )
 from quantgate.tasks.steps.decide import decide
-from quantgate.warehouse import store
+from quantgate.warehouse import lake, ledger, reads, sessions, transfer, writers
 
 N_ITEMS, N_DOCS = 200, 12
 RNG = np.random.default_rng(7)
@@ -56,21 +56,21 @@ def speed(tps):
 
 def seed(con, run_id, key, builds, started):
     """One evaluate-model run of model m: `builds` maps (uid, name) to (acc items, ll per doc, tokens/s)."""
-    store.start_run(con, run_id, "evaluate-model", "m", "c.yaml", "h", "host", {})
+    ledger.start_run(con, run_id, "evaluate-model", "m", "c.yaml", "h", "host", {})
     con.execute("UPDATE runs SET started_at = ? WHERE run_id = ?", [started, run_id])
-    store.record_model(con, run_id, ModelArtifact("m", "/m", "local", None, "abc" * 10))
+    writers.record_model(con, run_id, ModelArtifact("m", "/m", "local", None, "abc" * 10))
     for (uid, name), (acc, ll, tps) in builds.items():
         v = variant(uid, name, method="base", size=400) if name == "base" else variant(uid, name)
-        store.record_variant(con, run_id, v, "base" if name == "base" else "variant")
-        store.record_quality(con, run_id, uid, quality(key, acc, ll))
-        store.record_speed(con, run_id, uid, speed(tps))
-    store.finish_run(con, run_id)
+        writers.record_variant(con, run_id, v, "base" if name == "base" else "variant")
+        writers.record_quality(con, run_id, uid, quality(key, acc, ll))
+        writers.record_speed(con, run_id, uid, speed(tps))
+    ledger.finish_run(con, run_id)
 
 
 @pytest.fixture
 def warehouse(tmp_path):
     path = tmp_path / "w.ducklake"
-    with store.session(path) as con:
+    with sessions.session(path) as con:
         # Run 1. gptq loses 6 items; awq (recipe a1) loses 4.
         seed(con, "r1", "k1", {
             ("base", "base"): (BASE_ACC, BASE_LL, 100.0),
@@ -90,7 +90,7 @@ def warehouse(tmp_path):
 
 @pytest.fixture
 def con(warehouse):
-    with store.session(warehouse) as con:
+    with sessions.session(warehouse) as con:
         yield con
 
 
@@ -100,19 +100,19 @@ def test_flip_rate_counts_items_that_changed_both_ways(con):
     mixed[np.flatnonzero(BASE_ACC == 0)[:3]] = 1
     seed(con, "r3", "k3", {("base", "base"): (BASE_ACC, BASE_LL, 100.0), ("x1", "mixed"): (mixed, BASE_LL, 100.0)},
          "2026-01-03 10:00:00")
-    flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = 'r3'")
+    flips = reads.rows(con, "SELECT * FROM variant_flips WHERE run_id = 'r3'")
     assert [(f["task"], f["metric"]) for f in flips] == [("qg_piqa", "acc")]  # bits_per_byte is not scored 0/1
     f = flips[0]
     assert (f["n_items"], f["flips_to_wrong"], f["flips_to_right"]) == (N_ITEMS, 5, 3)
     assert (f["to_wrong_rate"], f["to_right_rate"], f["flip_rate"]) == pytest.approx((5 / N_ITEMS, 3 / N_ITEMS, 8 / N_ITEMS))
     # Accuracy moved by only 2 items; the flip rate shows that 8 changed.
     assert f["variant_value"] - f["base_value"] == pytest.approx(-2 / N_ITEMS)
-    by_run = {(r["run_id"], r["variant_uid"]): r["flip_rate"] for r in store.rows(con, "SELECT * FROM variant_flips")}
+    by_run = {(r["run_id"], r["variant_uid"]): r["flip_rate"] for r in reads.rows(con, "SELECT * FROM variant_flips")}
     assert by_run[("r1", "g1")] == pytest.approx(6 / N_ITEMS) and by_run[("r2", "g1")] == pytest.approx(46 / N_ITEMS)
 
 
 def test_per_item_stderr_fills_in_what_lm_eval_does_not_report(con):
-    se = {(r["variant_uid"], r["eval_key"], r["metric"]): r["stderr"] for r in store.rows(con, "SELECT * FROM sample_stderr")}
+    se = {(r["variant_uid"], r["eval_key"], r["metric"]): r["stderr"] for r in reads.rows(con, "SELECT * FROM sample_stderr")}
     assert se[("base", "k1", "acc")] == pytest.approx(mean_stderr(list(BASE_ACC)))
     # bits_per_byte: the linearised stderr agrees with a plain bootstrap over documents.
     idx = np.random.default_rng(0).integers(0, N_DOCS, size=(4000, N_DOCS))
@@ -124,7 +124,7 @@ def test_per_item_stderr_fills_in_what_lm_eval_does_not_report(con):
 
 
 def test_regressions_flag_what_moved_beyond_noise_and_nothing_else(con):
-    rows = {(r["kind"], r["variant"], r["measure"]): r for r in store.rows(con, "SELECT * FROM regressions")}
+    rows = {(r["kind"], r["variant"], r["measure"]): r for r in reads.rows(con, "SELECT * FROM regressions")}
     acc = rows[("quality", "gptq", "qg_piqa/acc")]
     assert (acc["change"], acc["flagged"]) == ("worse", True)
     assert acc["delta"] == pytest.approx(-40 / N_ITEMS) and abs(acc["delta"]) > acc["noise"] > 0
@@ -152,14 +152,14 @@ def test_regressions_flag_what_moved_beyond_noise_and_nothing_else(con):
 
 def decide_run(con, run_id):
     """What the flow's decide stage does: the run's rows of the views, one decision per variant, stored."""
-    recovery = store.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
-    samples = store.paired_samples(con, run_id, [(g.task, g.metric) for g in POLICY.quality])
-    flips = store.rows(con, "SELECT * FROM variant_flips WHERE run_id = ?", [run_id])
-    variants = store.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
+    recovery = reads.rows(con, "SELECT * FROM variant_recovery WHERE run_id = ?", [run_id])
+    samples = reads.paired_samples(con, run_id, [(g.task, g.metric) for g in POLICY.quality])
+    flips = reads.rows(con, "SELECT * FROM variant_flips WHERE run_id = ?", [run_id])
+    variants = reads.rows(con, "SELECT v.* FROM variants v JOIN run_variants rv USING (variant_uid)"
                                " WHERE rv.run_id = ? AND rv.role = 'variant' ORDER BY name", [run_id])
     mine = lambda rows, v: [r for r in rows if r["variant_uid"] == v["variant_uid"]]  # noqa: E731
     decisions = [decide(v, 400, mine(recovery, v), [], POLICY, mine(samples, v), mine(flips, v)) for v in variants]
-    store.record_decisions(con, run_id, decisions, POLICY.model_dump(mode="json"))
+    writers.record_decisions(con, run_id, decisions, POLICY.model_dump(mode="json"))
     return samples
 
 
@@ -167,7 +167,7 @@ def test_decisions_from_paired_items_reach_the_scorecard(con):
     samples = decide_run(con, "r2")
     assert {(s["task"], s["metric"]) for s in samples} == {("qg_piqa", "acc"), ("qg_simple_stories", "bits_per_byte")}
     assert {s["base_weight"] for s in samples if s["metric"] == "bits_per_byte"} == set(BYTES)
-    card = {r["variant"]: r for r in store.rows(con, "SELECT * FROM variant_scorecard")}
+    card = {r["variant"]: r for r in reads.rows(con, "SELECT * FROM variant_scorecard")}
     awq = card["awq"]
     assert awq["decision"] == "reject" and awq["reason"].startswith("reject: qg_piqa/acc recovery")
     assert awq["quality_lower_bound"] < awq["quality_recovery"] < 0.95
@@ -183,7 +183,7 @@ def test_three_verdicts_are_stored_as_check_rows_and_the_scorecard_shows_the_dec
                            ("x5", "five-lost"): (lose(BASE_ACC, 5), BASE_LL, 100.0),
                            ("x60", "sixty-lost"): (lose(BASE_ACC, 60), BASE_LL, 100.0)}, "2026-01-03 10:00:00")
     decide_run(con, "r3")
-    card = {r["variant"]: r for r in store.rows(con, "SELECT * FROM variant_scorecard")}
+    card = {r["variant"]: r for r in reads.rows(con, "SELECT * FROM variant_scorecard")}
     assert {v: r["decision"] for v, r in card.items()} == {
         "lossless": "accept", "five-lost": "inconclusive", "sixty-lost": "reject"}
     assert card["lossless"]["deciding_check"] is None and card["lossless"]["items_to_decide"] is None
@@ -194,7 +194,7 @@ def test_three_verdicts_are_stored_as_check_rows_and_the_scorecard_shows_the_dec
     assert f"~{round(unsure['items_to_decide'], -2):,} items would decide (have {N_ITEMS})" in unsure["reason"]
     assert bad["deciding_check"] == "qg_piqa/acc" and bad["deciding_value"] == pytest.approx(1 - 60 / right)
 
-    rows = store.rows(con, "SELECT * FROM decision_checks WHERE run_id = 'r3' AND variant_uid = 'x5' ORDER BY position")
+    rows = reads.rows(con, "SELECT * FROM decision_checks WHERE run_id = 'r3' AND variant_uid = 'x5' ORDER BY position")
     assert [(r["kind"], r["name"], r["outcome"]) for r in rows] == [
         ("quality", "qg_simple_stories/bits_per_byte", "pass"), ("quality", "qg_piqa/acc", "inconclusive"),
         ("size", "size", "pass")]
@@ -216,14 +216,14 @@ def test_a_verdict_that_steps_down_is_a_flagged_regression(con):
     decide_run(con, "r3")
     seed(con, "r4", "k4", builds(lose(BASE_ACC, 5)), "2026-01-04 10:00:00")
     decide_run(con, "r4")
-    (row,) = store.rows(con, "SELECT * FROM regressions WHERE kind = 'decision'")
+    (row,) = reads.rows(con, "SELECT * FROM regressions WHERE kind = 'decision'")
     assert (row["variant"], row["basis"], row["change"], row["flagged"]) == ("int8", "accept → inconclusive", "worse", True)
     assert (row["run_id"], row["previous_run_id"]) == ("r4", "r3")
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])
 def test_export_round_trips_every_table_and_view(con, tmp_path, fmt):
-    files = store.export(con, tmp_path / fmt, fmt)
+    files = transfer.export(con, tmp_path / fmt, fmt)
     names = {n for (n,) in con.execute("SELECT table_name FROM information_schema.tables WHERE table_catalog ="
                                        " current_database() AND table_schema = 'main'").fetchall()}
     assert {f.stem for f in files} == names and {"regressions", "variant_flips", "quality_samples", "decisions"} <= names
@@ -234,8 +234,8 @@ def test_export_round_trips_every_table_and_view(con, tmp_path, fmt):
     query = "SELECT variant_uid, eval_key, task, doc_id, metric, value FROM {} ORDER BY ALL"
     back = duckdb.sql(query.format(f"{reader}('{tmp_path / fmt / f'quality_samples.{fmt}'}')")).fetchall()
     assert back == con.execute(query.format("quality_samples")).fetchall()
-    with pytest.raises(store.WarehouseError, match="unknown export format 'xlsx'"):
-        store.export(con, tmp_path / "x", "xlsx")
+    with pytest.raises(lake.WarehouseError, match="unknown export format 'xlsx'"):
+        transfer.export(con, tmp_path / "x", "xlsx")
 
 
 def test_cli_report_lists_regressions_before_the_scorecard_and_export_writes_files(warehouse, tmp_path):

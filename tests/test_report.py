@@ -1,4 +1,4 @@
-"""The HTML report: rendered from a real warehouse seeded through the store's own writes, checked for its
+"""The HTML report: rendered from a real warehouse seeded through the warehouse's own writers, checked for its
 content, for not reaching the network, and (where Chromium is installed) as a screenshot."""
 
 import re
@@ -11,7 +11,7 @@ from quantgate.catalog.records import (
     Decision, DecisionCheck, MetricResult, ModelArtifact, QualityReport, RequestRecord, ServingLoad, SpeedResult,
     VariantArtifact,
 )
-from quantgate.warehouse import report, store
+from quantgate.warehouse import ledger, report, sessions, writers
 
 # name: (piqa acc, tokens/s, peak bytes, J/token, decision)
 BUILDS = {
@@ -28,20 +28,20 @@ def requests(n, ttft_s, tpot_s):
 
 
 def seed(con, run_id, started, acc_shift=0.0, model="m", speed=True):
-    store.start_run(con, run_id, "evaluate-model", model, "c.yaml", "h", "host", {})
+    ledger.start_run(con, run_id, "evaluate-model", model, "c.yaml", "h", "host", {})
     con.execute("UPDATE runs SET started_at = ? WHERE run_id = ?", [started, run_id])
-    store.record_model(con, run_id, ModelArtifact(model, f"/{model}", "local", None, "abc" * 10))
+    writers.record_model(con, run_id, ModelArtifact(model, f"/{model}", "local", None, "abc" * 10))
     decisions = []
     for name, (acc, tps, peak, joules, verdict) in BUILDS.items():
         uid = f"{model}-{name}"
         v = VariantArtifact(uid=uid, model_uid=f"{model}@abc", name=name, method="base" if name == "base" else name,
                             scheme="W4A16", bits=4, group_size=32, path=f"/x/{uid}", recipe="r", recipe_hash=uid,
                             size_bytes=400 if name == "base" else 120)
-        store.record_variant(con, run_id, v, "base" if name == "base" else "variant")
+        writers.record_variant(con, run_id, v, "base" if name == "base" else "variant")
         acc = acc - (acc_shift if name == "awq" else 0.0)
-        store.record_quality(con, run_id, uid, QualityReport(eval_key=f"k-{run_id}", evaluator="lm-eval", config={},
+        writers.record_quality(con, run_id, uid, QualityReport(eval_key=f"k-{run_id}", evaluator="lm-eval", config={},
             seconds=1.0, metrics=[MetricResult("qg_piqa", "acc", "none", acc, 0.005, 2000, "1", True)], samples=[]))
-        store.record_speed(con, run_id, uid, [] if not speed else [
+        writers.record_speed(con, run_id, uid, [] if not speed else [
             SpeedResult(engine="transformers", scenario="offline", status="ok", reason=None, config={}, tokens_per_s=tps,
                         peak_memory_bytes=peak, energy_j_per_token=joules),
             SpeedResult(engine="vllm", scenario="offline", status="skipped", reason="no GPU", config={})])
@@ -55,17 +55,17 @@ def seed(con, run_id, started, acc_shift=0.0, model="m", speed=True):
             why = "accept: all checks passed" if verdict == "accept" else f"{verdict}: {note}"
             decisions.append(Decision(uid, verdict, why, [check], "p" * 12, rec, tps / 100.0 if speed else None, 0.3,
                                       rec - 0.06, 0.02))
-    store.record_serving(con, run_id, f"{model}-gptq", "vllm", "serving", [] if not speed else [
+    writers.record_serving(con, run_id, f"{model}-gptq", "vllm", "serving", [] if not speed else [
         ServingLoad("c=1", 1, None, requests(8, 0.02, 0.004), 2.0),
         ServingLoad("c=8", 8, None, requests(16, 0.06, 0.005), 2.0)], None)
-    store.record_decisions(con, run_id, decisions, {"version": 1})
-    store.finish_run(con, run_id)
+    writers.record_decisions(con, run_id, decisions, {"version": 1})
+    ledger.finish_run(con, run_id)
 
 
 @pytest.fixture(scope="module")
 def warehouse(tmp_path_factory):
     path = tmp_path_factory.mktemp("report") / "w.ducklake"
-    with store.session(path) as con:
+    with sessions.session(path) as con:
         seed(con, "r1", "2026-01-01 10:00:00")
         seed(con, "r2", "2026-01-02 10:00:00", acc_shift=0.1)  # awq's accuracy drops far beyond noise
         seed(con, "n1", "2026-01-02 11:00:00", model="n", speed=False)  # quality and size only
@@ -75,7 +75,7 @@ def warehouse(tmp_path_factory):
 @pytest.fixture(scope="module")
 def page(warehouse, tmp_path_factory):
     out = tmp_path_factory.mktemp("html") / "report.html"
-    with store.session(warehouse, read_only=True) as con:
+    with sessions.session(warehouse, read_only=True) as con:
         report.write(con, out)
     return out
 
@@ -118,7 +118,7 @@ def test_pareto_frontier_keeps_only_undominated_points():
 
 
 def test_empty_warehouse_reports_what_is_missing(tmp_path):
-    with store.session(tmp_path / "e.ducklake") as con:
+    with sessions.session(tmp_path / "e.ducklake") as con:
         html = report.render(con)
     assert "No evaluate-model runs" in html and "No serving loads measured" in html and "<svg" not in html
 
@@ -171,7 +171,7 @@ def test_deciding_check_is_a_rejects_first_failure_or_an_accepts_closest_gate():
 def test_report_fits_1400px_without_horizontal_scroll(warehouse, tmp_path):
     """Chromium lays out the page at 1400 px, long reasons included, every <details> open; the page is no
     wider than the window. The measuring script is added to a copy: the report itself has none."""
-    with store.session(warehouse, read_only=True) as con:
+    with sessions.session(warehouse, read_only=True) as con:
         html = report.render(con)
     long_reason = "reject: " + "; ".join(f"qg_task_{i}/metric recovery 0.9{i} (95% CI lower bound 0.8{i}) < 0.95"
                                          for i in range(12))

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prefect.settings import PREFECT_WORKER_PREFETCH_SECONDS
 
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 from tests import postgres, prefect_server
 from tests.shared_data import REPO, TINY_MODEL
 from tests.test_deployment import CATALOG, EVALUATE, client, deployment_runs, wait_final
@@ -64,7 +64,7 @@ def scheduled(c, name: str) -> list:
 
 
 def test_every_cron_deployment_gets_scheduled_runs_and_the_server_logs_no_error(tmp_path, prefect_database):
-    extra = {store.ENV_VAR: str(tmp_path / "w.ducklake"), **prefect_database}
+    extra = {sessions.ENV_VAR: str(tmp_path / "w.ducklake"), **prefect_database}
     crons = cron_deployments()
     assert set(crons) == {"nightly/nightly", "watch-releases/watch-releases",
                           "warehouse-maintenance/warehouse-maintenance"}
@@ -95,7 +95,7 @@ def test_a_schedule_due_within_the_minute_runs_on_a_worker_to_completed_with_its
     catalog = tmp_path / "catalog.yaml"
     catalog.write_text(CATALOG.format(model=TINY_MODEL, suite="quick"))
     warehouse = str(tmp_path / "w.ducklake")
-    extra = {store.ENV_VAR: warehouse, "QUANTGATE_HOME": str(tmp_path / "work"), "HF_HUB_OFFLINE": "1",
+    extra = {sessions.ENV_VAR: warehouse, "QUANTGATE_HOME": str(tmp_path / "work"), "HF_HUB_OFFLINE": "1",
              "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PREFECT_WORKER_QUERY_SECONDS": "2",
              **prefect_database}
     server, url, env, log = deploy(tmp_path, extra)
@@ -123,8 +123,8 @@ def test_a_schedule_due_within_the_minute_runs_on_a_worker_to_completed_with_its
         assert final.state.is_completed(), (final.state, (tmp_path / "worker.log").read_text()[-3000:])
         # A worker takes a run up to its prefetch window (Prefect's default 10 s) before it is due.
         assert final.start_time >= due - timedelta(seconds=PREFECT_WORKER_PREFETCH_SECONDS.value())
-        with store.session(warehouse, read_only=True) as con:
-            rows = store.rows(con, "SELECT r.model_id, r.status FROM runs r JOIN run_attempts a USING (run_id)"
+        with sessions.session(warehouse, read_only=True) as con:
+            rows = reads.rows(con, "SELECT r.model_id, r.status FROM runs r JOIN run_attempts a USING (run_id)"
                                    " WHERE a.attempt_id = ?", [str(final.id)])
         assert rows == [{"model_id": "stories260k", "status": "completed"}]
         errors = [line for line in log.read_text().splitlines() if "ERROR" in line]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.tasks.steps.download import TOKEN_SECRET_ENV, DownloadError
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 from tests.cli_runs import run_cli, tables
 from tests.test_download import FakeHub, fetch_hub, hub, model_copy, online  # noqa: F401 - fixtures
 
@@ -70,7 +70,7 @@ def test_a_token_from_the_environment_is_used_and_appears_nowhere(model_copy, tm
     prefect_home = Path(os.environ["PREFECT_HOME"])
     assert list(prefect_home.glob("prefect.db*")), "the Prefect server's database was not where expected"
     assert files_containing(prefect_home, TOKEN.encode()) == []
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         configs = [json.loads(c) for (c,) in con.execute("SELECT config FROM quality_evals").fetchall()]
     # Remote code stays off: the catalog entry does not turn it on (the lm-eval runs of base and variant).
     suites = [c for c in configs if "trust_remote_code" in c]

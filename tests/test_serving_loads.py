@@ -15,7 +15,7 @@ from quantgate.catalog.scenarios import ServingScenario
 from quantgate.tasks.adapters.speed.server import free_port, start_server
 from quantgate.tasks.adapters.speed.serving import drive_loads
 from quantgate.tasks.runtime.telemetry import Telemetry
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions, writers
 
 # Streams max_tokens chunks of one token: 20 ms to the first, 5 ms between the rest.
 _SERVER = textwrap.dedent(
@@ -72,10 +72,10 @@ def test_loads_run_in_order_and_land_in_the_views(tmp_path):
     assert loads[2].records[-1].arrival_offset_s == pytest.approx(6 / 50)
     assert all(ld.energy_j is None for ld in loads)  # no energy counter on a CPU
 
-    with store.session(tmp_path / "w.ducklake") as con:
-        store.record_serving(con, "r", "v", "vllm", "serving", loads, Slo(**scenario.slo.model_dump()))
-        pct = {r["load"]: r for r in store.rows(con, "SELECT * FROM latency_percentiles")}
-        good = {r["load"]: r for r in store.rows(con, "SELECT * FROM serving_goodput")}
+    with sessions.session(tmp_path / "w.ducklake") as con:
+        writers.record_serving(con, "r", "v", "vllm", "serving", loads, Slo(**scenario.slo.model_dump()))
+        pct = {r["load"]: r for r in reads.rows(con, "SELECT * FROM latency_percentiles")}
+        good = {r["load"]: r for r in reads.rows(con, "SELECT * FROM serving_goodput")}
     assert set(pct) == {"c=1", "c=4", "rate=50"}
     assert pct["c=4"]["completed"] == 8 and pct["c=4"]["ttft_p50_ms"] >= 20
     assert pct["c=1"]["tpot_p50_ms"] >= 5 and len(loads[0].records[0].itl_s) == 3

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.catalog import settings
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 from tests.cli_runs import error_lines, quantgate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_the_scan_sees_each_kind_of_read():
 def test_defaults_and_the_environment(monkeypatch):
     monkeypatch.delenv("QUANTGATE_HOME", raising=False)
     monkeypatch.delenv("QUANTGATE_WAREHOUSE", raising=False)
-    assert settings.settings().home == Path(".quantgate") and store.default_path() == "quantgate.ducklake"
+    assert settings.settings().home == Path(".quantgate") and sessions.default_path() == "quantgate.ducklake"
     monkeypatch.setenv("QUANTGATE_WAREHOUSE", "postgres:dbname=lake")
     monkeypatch.setenv("QUANTGATE_ENGINES_PER_GPU", "3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

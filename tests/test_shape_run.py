@@ -24,7 +24,7 @@ from quantgate.catalog.shapes import SHAPES
 from quantgate.tasks.adapters.dummy_weights import layout
 from quantgate.tasks.steps.decide import decide
 from quantgate.tasks.steps.download import fetch_model
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 from tests.cli_runs import CATALOG_HEAD, run_cli, tiny_catalog
 
 # 2 layers of hidden 128; a vocabulary of 320 holds the tokenizer's 256 byte symbols, its two special tokens (at
@@ -179,21 +179,21 @@ def test_a_shape_run_measures_speed_and_says_quality_is_not_measured(tmp_path, p
     # The verdict table says it, one line above it and in the deciding check.
     assert f"tiny: {RANDOM_WEIGHTS}; its speed, memory and time are the model's" in result.stdout
     assert re.search(r"int8-w8a16 +│ inconclusive +│ random weights: quality not measured", result.stdout)
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         assert con.execute("SELECT source, random_weights FROM models").fetchall() == [("shape", True)]
-        card = store.rows(con, "SELECT variant, decision, reason, random_weights, speedup FROM variant_scorecard")
+        card = reads.rows(con, "SELECT variant, decision, reason, random_weights, speedup FROM variant_scorecard")
         assert [(c["variant"], c["decision"], c["random_weights"]) for c in card] == [("int8-w8a16", "inconclusive", True)]
         assert RANDOM_WEIGHTS in card[0]["reason"]
         # The quality suite ran on both checkpoints (its time is part of the cost), and decided nothing.
         evaluated = con.execute("SELECT count(DISTINCT variant_uid) FROM quality_results"
                                 " WHERE task = 'qg_simple_stories'").fetchone()[0]
         assert evaluated == 2
-        quality = store.rows(con, "SELECT name, outcome, note FROM decision_checks WHERE kind = 'quality'")
+        quality = reads.rows(con, "SELECT name, outcome, note FROM decision_checks WHERE kind = 'quality'")
         assert {(q["name"], q["outcome"]) for q in quality} == {
             ("qg_simple_stories/bits_per_byte", "uninformative"), ("random weights: quality not measured", "inconclusive")}
         assert all(RANDOM_WEIGHTS in q["note"] for q in quality)
         # Speed decides as usual, on real timings of both checkpoints.
-        speed = store.rows(con, "SELECT outcome, value FROM decision_checks WHERE kind = 'speed'")
+        speed = reads.rows(con, "SELECT outcome, value FROM decision_checks WHERE kind = 'speed'")
         assert speed[0]["outcome"] == "pass" and speed[0]["value"] == card[0]["speedup"] > 0
     # A script reading the verdicts as JSON (a rerun: every stage reused) sees the weights were random on each row.
     again = run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(tmp_path / "work"), "-q",

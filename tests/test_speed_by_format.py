@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.tasks.adapters.speed.checkpoint import speed_format
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 from tests.cli_runs import run_cli, tiny_catalog
 from tests.shared_data import TINY_MODEL
 
@@ -65,7 +65,7 @@ def test_checkpoints_of_one_format_are_measured_once(tmp_path, prefect_api):
     wh = tmp_path / "w.ducklake"
     result = run_cli(["run", "tiny", "-c", str(cat), "-w", str(wh), "--workdir", str(tmp_path / "work")], prefect_api)
     assert result.returncode == 0, result.stderr[-3000:]
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         paths = dict(con.execute("SELECT name, path FROM variants").fetchall())
         assert speed_format(paths["rtn-w4a16-g32"]) == speed_format(paths["gptq-w4a16-g32"]) != speed_format(paths["rtn-w8a16"])
         measured = {n for (n,) in con.execute("SELECT DISTINCT v.name FROM speed_results s JOIN variants v USING (variant_uid)").fetchall()}

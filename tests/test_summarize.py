@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions, transfer
 from tests.cli_runs import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,8 +24,8 @@ def _summarize(folder: Path, out: Path) -> subprocess.CompletedProcess:
 
 
 def _warehouse_from(results: Path, path: Path) -> Path:
-    with store.session(path) as con:
-        store.load_parquet(con, results)
+    with sessions.session(path) as con:
+        transfer.load_parquet(con, results)
     return path
 
 
@@ -35,10 +35,10 @@ def test_a_tables_only_export_summarizes_the_same_bytes_twice(tmp_path):
     done = run_cli(["export", str(export), "--tables-only", "--warehouse", str(wh)])
     assert done.returncode == 0, done.stderr
     written = {f.stem for f in export.glob("*.parquet")}
-    with store.session(wh, read_only=True) as con:
+    with sessions.session(wh, read_only=True) as con:
         views = {n for (n,) in con.execute("SELECT table_name FROM information_schema.tables WHERE table_type = 'VIEW'")
                  .fetchall()}
-        assert written == set(store.table_names(con)) | {"schema_keys", "schema_migrations", "schema_views"}
+        assert written == set(transfer.table_names(con)) | {"schema_keys", "schema_migrations", "schema_views"}
     assert {"variant_speedup", "vllm_crosscheck", "variant_cost"} <= views and not written & views
 
     first, second = _summarize(export, tmp_path / "a"), _summarize(export, tmp_path / "b")
@@ -87,8 +87,8 @@ def test_an_evaluate_model_run_from_an_older_schema(tmp_path):
 
 def test_an_export_of_the_oldest_schema_loads_with_defaults(tmp_path):
     con = duckdb.connect()
-    store.migrate(con, "memory")
-    loaded = store.load_parquet(con, RESULTS / "suite")  # schema version 2
+    sessions.migrate(con, "memory")
+    loaded = transfer.load_parquet(con, RESULTS / "suite")  # schema version 2
     assert {"runs", "variants", "speed_results", "serving_requests"} <= set(loaded)
     assert con.execute("SELECT count(*), count(resume_key) FROM runs").fetchone() == (2, 0)
     assert con.execute("SELECT bool_and(NOT skipped) FROM variants").fetchone() == (True,)

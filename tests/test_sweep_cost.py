@@ -2,7 +2,7 @@
 
 The sweep's serving runs need vLLM on a GPU (tests/gpu/test_sweep_gpu.py runs three real points); here the
 serve function handed to serve_sweep is a recorder, so what is tested is the plan: which points, in which
-order, named how, with which flags, environment and time. The views are fed through the store's own writes
+order, named how, with which flags, environment and time. The views are fed through the warehouse's own writers
 with requests whose timings are chosen, so the picks (best point, load at the SLO, price) are known."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from quantgate.tasks.adapters.speed.serving import measured_from_dict, measured_
 from quantgate.tasks.adapters.speed.sweep import serve_sweep
 from quantgate.tasks.adapters.speed.vllm_cli import sweep_settings
 from quantgate.tasks.steps.decide import decide
-from quantgate.warehouse import report, store
+from quantgate.warehouse import ledger, reads, report, sessions, writers
 
 
 def test_one_at_a_time_and_grid_points():
@@ -223,20 +223,20 @@ def _variant(uid: str) -> VariantArtifact:
 
 def _serving_row(con, run_id, uid, name, loads, slo, config=None, device="NVIDIA H200", status="ok"):
     tps = max((sum(r.output_tokens for r in ld.records) / ld.duration_s for ld in loads), default=None)
-    store.record_serving(con, run_id, uid, "vllm", name, loads, slo)
-    store.record_speed(con, run_id, uid, [SpeedResult("vllm", name, status, None, config or {}, device=device,
-                                                      tokens_per_s=tps)])
+    writers.record_serving(con, run_id, uid, "vllm", name, loads, slo)
+    writers.record_speed(con, run_id, uid, [SpeedResult("vllm", name, status, None, config or {}, device=device,
+                                                        tokens_per_s=tps)])
 
 
 @pytest.fixture
 def warehouse(tmp_path):
     path = tmp_path / "w.ducklake"
     slo = Slo(ttft_ms=100)
-    with store.session(path) as con:
-        store.start_run(con, "r1", "gpu-suite", "m", "gpu.yaml", "h", "host", {})
-        store.record_prices(con, "r1", {"NVIDIA H200": 3.6, "NVIDIA H": 99.0, "cpu": 0.1}, "h")
-        store.record_variant(con, "r1", _variant("w4"), "variant")
-        store.record_variant(con, "r1", _variant("w4b"), "variant")
+    with sessions.session(path) as con:
+        ledger.start_run(con, "r1", "gpu-suite", "m", "gpu.yaml", "h", "host", {})
+        writers.record_prices(con, "r1", {"NVIDIA H200": 3.6, "NVIDIA H": 99.0, "cpu": 0.1}, "h")
+        writers.record_variant(con, "r1", _variant("w4"), "variant")
+        writers.record_variant(con, "r1", _variant("w4b"), "variant")
         # The default point: good up to c=8 (16 req/s of goodput); c=32 breaks the TTFT limit.
         sweep = lambda p, s: {"kind": "serving", "engine_options": {"tensor_parallel_size": 1},  # noqa: E731
                               "sweep": {"scenario": "sw", "point": p, "settings": s}}
@@ -253,31 +253,31 @@ def warehouse(tmp_path):
         _serving_row(con, "r1", "w4b", "sw@enforce_eager=True", [ServingLoad("c=8", 8, None, _requests(6, 0.05), 1.0)],
                      slo, sweep("enforce_eager=True", {"enforce_eager": True}))
         # Variant w4c, written with the 3% margin: fp8 KV gains 2.5%, within run-to-run noise, so the defaults stay.
-        store.record_variant(con, "r1", _variant("w4c"), "variant")
+        writers.record_variant(con, "r1", _variant("w4c"), "variant")
         margin = lambda p, s: {**sweep(p, s), "sweep": {**sweep(p, s)["sweep"], "min_gain_pct": 3.0}}  # noqa: E731
         _serving_row(con, "r1", "w4c", "sw@default", [ServingLoad("c=8", 8, None, _requests(40, 0.05), 1.0)], slo,
                      margin("default", {}))
         _serving_row(con, "r1", "w4c", "sw@kv_cache_dtype=fp8", [ServingLoad("c=8", 8, None, _requests(41, 0.05), 1.0)],
                      slo, margin("kv_cache_dtype=fp8", {"kv_cache_dtype": "fp8"}))
         # An offline row on two GPUs (tensor parallel): twice the device-hours per token.
-        store.record_speed(con, "r1", "w4", [SpeedResult("vllm", "offline-tp2", "ok", None,
-                                                         {"engine_options": {"tensor_parallel_size": 2}},
-                                                         device="NVIDIA H200", tokens_per_s=2000.0)])
-        store.finish_run(con, "r1")
+        writers.record_speed(con, "r1", "w4", [SpeedResult("vllm", "offline-tp2", "ok", None,
+                                                           {"engine_options": {"tensor_parallel_size": 2}},
+                                                           device="NVIDIA H200", tokens_per_s=2000.0)])
+        ledger.finish_run(con, "r1")
         # A later run on the same device with a new price: r1's cost must not move.
-        store.start_run(con, "r2", "gpu-suite", "m", "gpu.yaml", "h2", "host", {})
-        store.record_prices(con, "r2", {"NVIDIA H200": 7.2}, "h2")
-        store.record_variant(con, "r2", _variant("w4"), "variant")
-        store.record_speed(con, "r2", "w4", [SpeedResult("vllm", "offline-tp2", "ok", None,
-                                                         {"engine_options": {"tensor_parallel_size": 2}},
-                                                         device="NVIDIA H200", tokens_per_s=2000.0)])
-        store.finish_run(con, "r2")
+        ledger.start_run(con, "r2", "gpu-suite", "m", "gpu.yaml", "h2", "host", {})
+        writers.record_prices(con, "r2", {"NVIDIA H200": 7.2}, "h2")
+        writers.record_variant(con, "r2", _variant("w4"), "variant")
+        writers.record_speed(con, "r2", "w4", [SpeedResult("vllm", "offline-tp2", "ok", None,
+                                                           {"engine_options": {"tensor_parallel_size": 2}},
+                                                           device="NVIDIA H200", tokens_per_s=2000.0)])
+        ledger.finish_run(con, "r2")
     return path
 
 
 def test_tuned_config_beats_or_loses_to_the_defaults(warehouse):
-    with store.session(warehouse, read_only=True) as con:
-        tuned = {r["variant"]: r for r in store.rows(con, "SELECT * FROM tuned_serving_config")}
+    with sessions.session(warehouse, read_only=True) as con:
+        tuned = {r["variant"]: r for r in reads.rows(con, "SELECT * FROM tuned_serving_config")}
     w4 = tuned["w4"]
     assert w4["best_point"] == "max_num_seqs=64" and w4["best_load"] == "c=32" and w4["points"] == 2
     assert w4["default_goodput"] == pytest.approx(16.0) and w4["best_goodput"] == pytest.approx(32.0)
@@ -290,9 +290,9 @@ def test_tuned_config_beats_or_loses_to_the_defaults(warehouse):
 
 
 def test_a_gain_within_the_margin_keeps_the_defaults(warehouse):
-    with store.session(warehouse, read_only=True) as con:
-        (w4c,) = store.rows(con, "SELECT * FROM tuned_serving_config WHERE variant = 'w4c'")
-        (judged,) = store.rows(con, "SELECT * FROM variant_serving WHERE variant_uid = 'w4c'")
+    with sessions.session(warehouse, read_only=True) as con:
+        (w4c,) = reads.rows(con, "SELECT * FROM tuned_serving_config WHERE variant = 'w4c'")
+        (judged,) = reads.rows(con, "SELECT * FROM variant_serving WHERE variant_uid = 'w4c'")
         html = unescape(report.render(con))
     assert w4c["best_point"] == "default" and w4c["gain_pct"] == 0 and w4c["min_gain_pct"] == 3.0
     assert w4c["best_other_point"] == "kv_cache_dtype=fp8" and w4c["best_other_gain_pct"] == pytest.approx(2.5)
@@ -300,18 +300,18 @@ def test_a_gain_within_the_margin_keeps_the_defaults(warehouse):
     assert judged["point"] == "default" and judged["goodput_requests_per_s"] == pytest.approx(40.0)
     assert "vLLM's defaults kept; kv_cache_dtype=fp8 gained only 2.5%, under the 3% margin" in html
     # With a 2% margin the same rows make fp8 KV the tuned config.
-    with store.session(warehouse) as con:
+    with sessions.session(warehouse) as con:
         con.execute("UPDATE speed_results SET config = json_merge_patch(config, '{\"sweep\": {\"min_gain_pct\": 2}}')"
                     " WHERE variant_uid = 'w4c'")
-        (w4c,) = store.rows(con, "SELECT * FROM tuned_serving_config WHERE variant = 'w4c'")
-        (judged,) = store.rows(con, "SELECT * FROM variant_serving WHERE variant_uid = 'w4c'")
+        (w4c,) = reads.rows(con, "SELECT * FROM tuned_serving_config WHERE variant = 'w4c'")
+        (judged,) = reads.rows(con, "SELECT * FROM variant_serving WHERE variant_uid = 'w4c'")
     assert w4c["best_point"] == "kv_cache_dtype=fp8" and w4c["gain_pct"] == pytest.approx(2.5)
     assert judged["point"] == "kv_cache_dtype=fp8"
 
 
 def test_cost_per_million_tokens_at_peak_and_at_the_slo(warehouse):
-    with store.session(warehouse, read_only=True) as con:
-        cost = {(r["run_id"], r["variant_uid"], r["scenario"]): r for r in store.rows(con, "SELECT * FROM variant_cost")}
+    with sessions.session(warehouse, read_only=True) as con:
+        cost = {(r["run_id"], r["variant_uid"], r["scenario"]): r for r in reads.rows(con, "SELECT * FROM variant_cost")}
     # Offline, TP=2 at 2000 tok/s and $3.60/h per GPU: 2 × 3.6 / (2000 × 3600) × 1e6 = $1.00 per million.
     tp2 = cost[("r1", "w4", "offline-tp2")]
     assert tp2["num_devices"] == 2 and tp2["price_key"] == "NVIDIA H200"  # the longest matching key, not "NVIDIA H"
@@ -331,17 +331,17 @@ def test_the_slo_attainment_says_which_loads_meet_it(warehouse):
     # c=32 (8 of 32 good) now meets it, and the cost at the SLO is priced there.
     loads = [ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0),
              ServingLoad("c=32", 32, None, _requests(8, 0.05) + _requests(24, 0.5, start=8), 1.0)]
-    with store.session(warehouse) as con:
+    with sessions.session(warehouse) as con:
         _serving_row(con, "r1", "w4", "lenient", loads, Slo(ttft_ms=100, attainment=0.25),
                      {"slo": ServingScenario(engines=["vllm"], concurrency=[8], slo={"ttft_ms": 100, "attainment": 0.25}).slo.model_dump()})
-        cost = {r["scenario"]: r for r in store.rows(con, "SELECT * FROM variant_cost WHERE variant_uid = 'w4'")}
+        cost = {r["scenario"]: r for r in reads.rows(con, "SELECT * FROM variant_cost WHERE variant_uid = 'w4'")}
     assert cost["lenient"]["slo_load"] == "c=32" and cost["sw@default"]["slo_load"] == "c=8"
     with pytest.raises(ValueError, match="attainment"):
         ServingScenario(engines=["vllm"], concurrency=[8], slo={"ttft_ms": 100, "attainment": 1.5})
 
 
 def test_report_shows_cost_and_the_tuned_config(warehouse):
-    with store.session(warehouse, read_only=True) as con:
+    with sessions.session(warehouse, read_only=True) as con:
         html = unescape(report.render(con))
     assert "<h2>Cost per million output tokens" in html and "<h2>Tuned serving config" in html
     assert "max_num_seqs=64" in html and "beat vLLM's defaults by 100%" in html
@@ -353,11 +353,11 @@ def test_variant_serving_compares_tuned_configs_with_the_base(tmp_path):
     slo = Slo(ttft_ms=100)
     point = lambda p, s: {"kind": "serving", "slo": {"ttft_ms": 100},  # noqa: E731
                           "sweep": {"scenario": "gpu-serving", "point": p, "settings": s}}
-    with store.session(path) as con:
-        store.start_run(con, "r", "evaluate-model", "m", "catalog", "h", "host", {})
-        store.record_variant(con, "r", _variant("base"), "base")
-        store.record_variant(con, "r", _variant("w4"), "variant")
-        store.record_variant(con, "r", _variant("w8"), "variant")
+    with sessions.session(path) as con:
+        ledger.start_run(con, "r", "evaluate-model", "m", "catalog", "h", "host", {})
+        writers.record_variant(con, "r", _variant("base"), "base")
+        writers.record_variant(con, "r", _variant("w4"), "variant")
+        writers.record_variant(con, "r", _variant("w8"), "variant")
         # The base: 16 good req/s with vLLM's defaults; fp8 KV cache does no better.
         _serving_row(con, "r", "base", "gpu-serving@default", [ServingLoad("c=8", 8, None, _requests(16, 0.05), 1.0)],
                      slo, point("default", {}))
@@ -371,16 +371,16 @@ def test_variant_serving_compares_tuned_configs_with_the_base(tmp_path):
             ServingLoad("c=32", 32, None, _requests(24, 0.05) + _requests(8, 0.5, start=24), 1.0)],
             slo, point("kernel=MarlinLinearKernel", {"kernel": "MarlinLinearKernel"}))
         # w8: a serving run without a sweep that failed to start: no goodput, the reason kept.
-        store.record_speed(con, "r", "w8", [SpeedResult("vllm", "gpu-serving", "failed", "vllm serve exited (1)",
-                                                        {"kind": "serving"})])
-        rows = {r["variant_uid"]: r for r in store.rows(con, "SELECT * FROM variant_serving")}
+        writers.record_speed(con, "r", "w8", [SpeedResult("vllm", "gpu-serving", "failed", "vllm serve exited (1)",
+                                                          {"kind": "serving"})])
+        rows = {r["variant_uid"]: r for r in reads.rows(con, "SELECT * FROM variant_serving")}
         # The decision keeps the tuned config it judged; the scorecard reads it back.
         policy = Policy.model_validate({"version": 1, "quality": [],
                                         "serving": {"scenario": "gpu-serving", "min_goodput_ratio": 1.0}})
         built = {"variant_uid": "w4", "status": "built", "error": None, "size_bytes": 1}
-        store.record_decisions(con, "r", [decide(built, 2, [], [], policy, serving=[rows["w4"]])],
-                               policy.model_dump(mode="json"))
-        (judged,) = store.rows(con, "SELECT * FROM decision_serving")
+        writers.record_decisions(con, "r", [decide(built, 2, [], [], policy, serving=[rows["w4"]])],
+                                 policy.model_dump(mode="json"))
+        (judged,) = reads.rows(con, "SELECT * FROM decision_serving")
     assert judged == {"run_id": "r", "variant_uid": "w4", "serving_goodput_ratio": 1.5,
                       "serving_config": "kernel=MarlinLinearKernel"}
     assert set(rows) == {"w4", "w8"}  # variants only, each against the base

@@ -14,7 +14,7 @@ from quantgate.catalog.load import load_catalog
 from quantgate.flows.evaluate_model import evaluate_model
 from quantgate.tasks.steps.calibration import load_calibration
 from quantgate.tasks.steps.quantize import lib_versions, recipe_for, variant_uid
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 from tests.shared_data import SHARED, TINY_MODEL
 
 pytestmark = [pytest.mark.slow,
@@ -56,10 +56,10 @@ def test_one_recipe_with_two_calibration_sets_is_two_variants_each_built_with_it
     cat_path = catalog(tmp_path, "stdlib-seed1")
     wh = str(tmp_path / "w.ducklake")
     card = evaluate_model(model="tiny", catalog=str(cat_path), warehouse=wh, workdir=str(tmp_path / "work"))
-    with store.session(wh, read_only=True) as con:
-        rows = {r["name"]: r for r in store.rows(con, "SELECT v.*, r.reused FROM variants v JOIN run_variants r"
+    with sessions.session(wh, read_only=True) as con:
+        rows = {r["name"]: r for r in reads.rows(con, "SELECT v.*, r.reused FROM variants v JOIN run_variants r"
                                                        " USING (variant_uid) WHERE r.role = 'variant'")}
-        model = store.model_of(con, rows["gptq"]["model_uid"])
+        model = reads.model_of(con, rows["gptq"]["model_uid"])
     assert {r["variant"] for r in card} == {"gptq", "gptq-other"}
     # Both built, neither a reuse of the other.
     assert all(r["status"] == "built" and not r["reused"] and (Path(r["path"]) / "config.json").is_file()
@@ -82,7 +82,7 @@ def test_a_variants_calibration_set_on_the_evaluated_text_is_refused_before_any_
     assert state.is_failed()
     # One line naming the variant's set (the model's own set, checked first, passes).
     assert state.message.startswith("calibration set stories overlaps ") and "\n" not in state.message
-    with store.session(wh, read_only=True) as con:
-        assert store.rows(con, "SELECT status, error FROM runs") == [{"status": "failed", "error": state.message}]
+    with sessions.session(wh, read_only=True) as con:
+        assert reads.rows(con, "SELECT status, error FROM runs") == [{"status": "failed", "error": state.message}]
         assert con.execute("SELECT count(*) FROM variants").fetchone()[0] == 0
     assert not (work / "variants").exists() or not any((work / "variants").iterdir())

@@ -10,7 +10,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from quantgate.warehouse import legacy, store
+from quantgate.warehouse import legacy, reads, sessions, transfer, writers
 from tests.cli_runs import quantgate
 
 # The committed run whose tables are kept (the other runs' are in git history: benchmarks/results/h200/README.md).
@@ -23,7 +23,7 @@ def legacy_warehouse(path: Path, tables: Path, upto: int = 11, views: bool = Tru
     con = duckdb.connect(str(path))
     con.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name VARCHAR NOT NULL,"
                 " checksum VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)")
-    for version, name, sql in store.read_migrations(legacy.LEGACY):
+    for version, name, sql in sessions.read_migrations(legacy.LEGACY):
         if version <= upto:
             con.execute(sql)
             con.execute("INSERT INTO schema_migrations VALUES (?, ?, 'x', now())", [version, name])
@@ -43,7 +43,7 @@ def legacy_warehouse(path: Path, tables: Path, upto: int = 11, views: bool = Tru
         con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS random_weights BOOLEAN DEFAULT false")
         con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS prequantized BOOLEAN")
         con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS provenance VARCHAR")
-        for view in sorted(store.VIEWS.glob("*.sql")):
+        for view in sorted(sessions.VIEWS.glob("*.sql")):
             con.execute(view.read_text())
     con.close()
 
@@ -81,8 +81,8 @@ def test_a_duckdb_warehouse_is_imported_whole_and_its_views_answer_the_same(tmp_
     assert "variants" in out.stdout
 
     con_old = duckdb.connect(str(old), read_only=True)
-    with store.session(lake, read_only=True) as con:
-        for table in store.table_names(con):
+    with sessions.session(lake, read_only=True) as con:
+        for table in transfer.table_names(con):
             assert con.execute(f"SELECT count(*) FROM {table}").fetchone() == \
                 con_old.execute(f"SELECT count(*) FROM {table}").fetchone(), table
         views = [v for (v,) in con_old.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
@@ -93,7 +93,7 @@ def test_a_duckdb_warehouse_is_imported_whole_and_its_views_answer_the_same(tmp_
 
     again = quantgate("warehouse", "import", str(old), "-w", str(lake))  # twice: nothing added
     assert again.returncode == 0, again.stderr
-    with store.session(lake, read_only=True) as con:
+    with sessions.session(lake, read_only=True) as con:
         assert con.execute("SELECT count(*) FROM speed_results").fetchone() == \
             duckdb.connect(str(old), read_only=True).execute("SELECT count(*) FROM speed_results").fetchone()
 
@@ -104,9 +104,9 @@ def test_an_older_duckdb_warehouse_is_migrated_on_the_way_and_its_decisions_stay
     from tests.test_warehouse import seed_run
 
     seeded = tmp_path / "seed.ducklake"
-    with store.session(seeded) as con:
+    with sessions.session(seeded) as con:
         seed_run(con, "r1")
-        store.export_parquet(con, tmp_path / "pq")
+        transfer.export_parquet(con, tmp_path / "pq")
     old = tmp_path / "old.duckdb"
     legacy_warehouse(old, tmp_path / "pq", upto=8, views=False)
     with duckdb.connect(str(old)) as con:
@@ -115,14 +115,14 @@ def test_an_older_duckdb_warehouse_is_migrated_on_the_way_and_its_decisions_stay
                     ['[{"check": "serving gpu-serving", "passed": false, "value": 0.5, "point": "default"}]'])
 
     lake = tmp_path / "w.ducklake"
-    with store.session(lake) as con:
+    with sessions.session(lake) as con:
         added = legacy.import_duckdb(con, old)
         assert added["decisions"] == 1 and added["runs"] == 1
-        (kept,) = store.rows(con, "SELECT * FROM decisions")
+        (kept,) = reads.rows(con, "SELECT * FROM decisions")
         assert (kept["decision"], kept["reason"], kept["quality_lower_bound"], kept["flip_rate"]) == (
             "reject", "reject: qg_piqa/acc recovery 0.95 < 0.99", 0.9, 0.02)
         assert '"passed": false' in kept["checks"]  # the old JSON stays as it was
-        (card,) = store.rows(con, "SELECT * FROM variant_scorecard")
+        (card,) = reads.rows(con, "SELECT * FROM variant_scorecard")
         assert (card["decision"], card["reason"], card["size_ratio"]) == ("reject", kept["reason"], 0.25)
         assert card["deciding_check"] is None and card["serving_goodput_ratio"] is None  # no check rows for it
 
@@ -130,9 +130,9 @@ def test_an_older_duckdb_warehouse_is_migrated_on_the_way_and_its_decisions_stay
         check = DecisionCheck("quality", "qg_piqa/acc", "inconclusive", "qg_piqa/acc spans 0.95", task="qg_piqa",
                               metric="acc", value=0.96, lower=0.93, upper=0.99, threshold=0.95, items=100,
                               items_to_decide=440, min_detectable_drop=0.03)
-        store.record_decisions(con, "r2", [Decision("v1", "inconclusive", "inconclusive: qg_piqa/acc spans 0.95",
+        writers.record_decisions(con, "r2", [Decision("v1", "inconclusive", "inconclusive: qg_piqa/acc spans 0.95",
                                                      [check], "ph", 0.96, None, 0.25, 0.93)], {"version": 1})
-        (card,) = store.rows(con, "SELECT * FROM variant_scorecard")
+        (card,) = reads.rows(con, "SELECT * FROM variant_scorecard")
         assert (card["run_id"], card["decision"], card["deciding_check"], card["deciding_value"],
                 card["deciding_threshold"], card["items_to_decide"], card["min_detectable_drop"]) == (
             "r2", "inconclusive", "qg_piqa/acc", 0.96, 0.95, 440, 0.03)

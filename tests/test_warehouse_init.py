@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.warehouse import store
+from quantgate.warehouse import sessions
 from tests import postgres, prefect_server
 from tests.cli_runs import error_lines, run_cli, tables
 
 COUNT_RUNS = "select count(*) as n from runs"
-VERSION = max(v for v, _, _ in store._migrations())
+VERSION = max(v for v, _, _ in sessions.known_migrations())
 
 
 def not_created(label: str) -> str:
@@ -48,7 +48,7 @@ def test_init_creates_a_warehouse_that_answers_before_any_run(tmp_path):
     assert views.returncode == 0 and views.stdout == "n\n0\n", views.stderr
 
     before = tables(wh)
-    again = run_cli(["warehouse", "init"], env={store.ENV_VAR: str(wh)}, timeout=120)  # the env var names it too
+    again = run_cli(["warehouse", "init"], env={sessions.ENV_VAR: str(wh)}, timeout=120)  # the env var names it too
     assert again.returncode == 0, again.stderr
     assert again.stdout.strip() == (f"{wh}: warehouse exists and is up to date"
                                     f" (schema version {VERSION})")
@@ -70,25 +70,25 @@ def test_init_brings_an_older_warehouse_up_to_date(tmp_path, monkeypatch):
     """A warehouse of an earlier quantgate: init applies the migrations it lacks, then the views that changed (a
     newer quantgate is a migration and a view more here, in a new process)."""
     path = tmp_path / "w.ducklake"
-    assert store.init(path) == f"{path}: warehouse created (schema version {VERSION})"
-    store.close_all()  # a process migrates at its first writable session
+    assert sessions.init(path) == f"{path}: warehouse created (schema version {VERSION})"
+    sessions.close_all()  # a process migrates at its first writable session
     newer = tmp_path / "migrations"
-    shutil.copytree(store.MIGRATIONS, newer)
+    shutil.copytree(sessions.MIGRATIONS, newer)
     (newer / f"{VERSION + 1:04d}_extra.sql").write_text("CREATE TABLE extra_table (x INTEGER);")
-    monkeypatch.setattr(store, "MIGRATIONS", newer)
-    assert store.init(path) == f"{path}: warehouse exists; migrated from schema version {VERSION} to {VERSION + 1}"
-    store.close_all()
+    monkeypatch.setattr(sessions, "MIGRATIONS", newer)
+    assert sessions.init(path) == f"{path}: warehouse exists; migrated from schema version {VERSION} to {VERSION + 1}"
+    sessions.close_all()
     views = tmp_path / "views"
-    shutil.copytree(store.VIEWS, views)
+    shutil.copytree(sessions.VIEWS, views)
     (views / "99_extra.sql").write_text("CREATE OR REPLACE VIEW extra_view AS SELECT 42 AS answer;")
-    monkeypatch.setattr(store, "VIEWS", views)
-    assert store.init(path) == f"{path}: warehouse exists (schema version {VERSION + 1}); its views were updated"
-    store.close_all()
-    assert store.init(path) == f"{path}: warehouse exists and is up to date (schema version {VERSION + 1})"
-    with store.session(path, read_only=True) as con:
+    monkeypatch.setattr(sessions, "VIEWS", views)
+    assert sessions.init(path) == f"{path}: warehouse exists (schema version {VERSION + 1}); its views were updated"
+    sessions.close_all()
+    assert sessions.init(path) == f"{path}: warehouse exists and is up to date (schema version {VERSION + 1})"
+    with sessions.session(path, read_only=True) as con:
         assert con.execute("SELECT answer FROM extra_view").fetchone() == (42,)
         assert con.execute("SELECT count(*) FROM extra_table").fetchone() == (0,)
-    store.close_all()
+    sessions.close_all()
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def pg_conninfo():
 
 def test_init_on_a_postgresql_catalog(pg_conninfo, tmp_path):
     wh = f"postgres:{pg_conninfo}"
-    no_data = {k: v for k, v in os.environ.items() if k != store.DATA_ENV_VAR}
+    no_data = {k: v for k, v in os.environ.items() if k != sessions.DATA_ENV_VAR}
     read = run_cli(["sql", COUNT_RUNS, "-w", wh], env=no_data, timeout=120)  # DuckLake: "creating ... is disabled"
     assert read.returncode == 1 and error_lines(read.stderr) == [not_created(wh)], read.stderr
 
@@ -113,7 +113,7 @@ def test_init_on_a_postgresql_catalog(pg_conninfo, tmp_path):
                                            " or s3://...)"], refused.stderr
     assert error_lines(run_cli(["sql", COUNT_RUNS, "-w", wh], env=no_data, timeout=120).stderr) == [not_created(wh)]
 
-    data = {store.DATA_ENV_VAR: str(tmp_path / "lake") + "/"}
+    data = {sessions.DATA_ENV_VAR: str(tmp_path / "lake") + "/"}
     made = run_cli(["warehouse", "init", "-w", wh], env=data, timeout=120)
     assert made.returncode == 0, made.stderr
     assert made.stdout.strip() == f"{wh}: warehouse created (schema version {VERSION})"
@@ -133,7 +133,7 @@ def test_deploy_creates_the_warehouse(tmp_path):
         nowhere.stderr
     assert not wh.exists()
     with prefect_server.server(tmp_path / "prefect-home") as (url, env):
-        done = run_cli(["deploy"], env={**env, store.ENV_VAR: str(wh)}, timeout=300)
+        done = run_cli(["deploy"], env={**env, sessions.ENV_VAR: str(wh)}, timeout=300)
         assert done.returncode == 0, done.stderr + done.stdout
     assert f"{wh}: warehouse created" in done.stdout
     assert "evaluate-model/evaluate-model" in done.stdout

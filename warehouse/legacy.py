@@ -18,7 +18,7 @@ _ALIAS = "legacy_warehouse"
 
 def migrate_file(path: Path) -> None:
     """Bring a DuckDB-file warehouse to the last legacy migration."""
-    from quantgate.warehouse import store
+    from quantgate.warehouse import sessions
 
     con = duckdb.connect(str(path))
     try:
@@ -26,7 +26,7 @@ def migrate_file(path: Path) -> None:
             applied = {v for (v,) in con.execute("SELECT version FROM schema_migrations").fetchall()}
         except duckdb.CatalogException:
             raise WarehouseError(f"{path}: not a quantgate warehouse (no schema_migrations table)") from None
-        known = store.read_migrations(LEGACY)
+        known = sessions.read_migrations(LEGACY)
         if applied and max(applied) > known[-1][0]:
             raise WarehouseError(f"{path}: schema version {max(applied)} is not one of a DuckDB-file warehouse")
         for version, name, sql in known:
@@ -43,7 +43,7 @@ def migrate_file(path: Path) -> None:
 def import_duckdb(con: duckdb.DuckDBPyConnection, old: str | Path) -> dict[str, int]:
     """Copy every row of a DuckDB-file warehouse that the lake lacks (by the keys in schema_keys); {table: rows
     added}. `con` is a writable session of the lake (it holds the write lock)."""
-    from quantgate.warehouse import store
+    from quantgate.warehouse import statements, transfer
 
     old = Path(old)
     if not old.is_file():
@@ -63,8 +63,8 @@ def import_duckdb(con: duckdb.DuckDBPyConnection, old: str | Path) -> dict[str, 
             keys = dict(con.execute("SELECT table_name, key_columns FROM schema_keys").fetchall())
             theirs = {t for (t,) in old_con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
             added = {}
-            with store.transaction(con):
-                for table in store.table_names(con):
+            with statements.transaction(con):
+                for table in transfer.table_names(con):
                     if table not in theirs:
                         continue
                     rows = old_con.execute(f'SELECT * FROM "{table}"').to_arrow_table()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from quantgate.catalog.records import RANDOM_WEIGHTS
-from quantgate.warehouse import store
+from quantgate.warehouse import reads
 
 ACCEPT, REJECT, INCONCLUSIVE, BASE, GRID = "#2e7d32", "#c62828", "#f9a825", "#607d8b", "#e0e0e0"
 NOT_COMPARABLE = "#6a1b9a"
@@ -81,13 +81,13 @@ def render(con, model: str | None = None, title: str = "quantgate report") -> st
     """The whole report as one HTML document, from a (read-only) warehouse connection."""
     params = [model] if model else []
     only = "AND model_id = ?" if model else ""
-    moved = store.rows(con, "SELECT * FROM regressions WHERE change IN ('worse', 'better', 'changed')"
+    moved = reads.rows(con, "SELECT * FROM regressions WHERE change IN ('worse', 'better', 'changed')"
                             f" {only} ORDER BY flagged DESC, model_id, variant, kind, measure", params)
-    card = store.rows(con, f"SELECT * FROM variant_scorecard {'WHERE model_id = ?' if model else ''}", params)
-    speed = store.rows(con, _LATEST_SPEED.format(where="AND r.model_id = ?" if model else ""), params)
-    latency = store.rows(con, _LATEST_LATENCY.format(where="AND r.model_id = ?" if model else ""), params)
-    cost = store.rows(con, _LATEST_COST.format(where="AND r.model_id = ?" if model else ""), params)
-    tuned = store.rows(con, _LATEST_TUNED.format(where="AND r.model_id = ?" if model else ""), params)
+    card = reads.rows(con, f"SELECT * FROM variant_scorecard {'WHERE model_id = ?' if model else ''}", params)
+    speed = reads.rows(con, _LATEST_SPEED.format(where="AND r.model_id = ?" if model else ""), params)
+    latency = reads.rows(con, _LATEST_LATENCY.format(where="AND r.model_id = ?" if model else ""), params)
+    cost = reads.rows(con, _LATEST_COST.format(where="AND r.model_id = ?" if model else ""), params)
+    tuned = reads.rows(con, _LATEST_TUNED.format(where="AND r.model_id = ?" if model else ""), params)
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = [f"<h1>{escape(title)}</h1>",
             f"<p class='meta'>generated {generated}{' · model ' + escape(model) if model else ''}</p>",
@@ -102,11 +102,11 @@ def _checks(con, card: list[dict]) -> dict[tuple[str, str], list[dict]]:
     runs = sorted({r["run_id"] for r in card})
     if not runs:
         return {}
-    found = store.rows(con, "SELECT run_id, variant_uid, checks FROM decisions WHERE list_contains(?, run_id)", [runs])
+    found = reads.rows(con, "SELECT run_id, variant_uid, checks FROM decisions WHERE list_contains(?, run_id)", [runs])
     out = {(f["run_id"], f["variant_uid"]): json.loads(f["checks"]) if isinstance(f["checks"], str) else f["checks"] or []
            for f in found}
     # Decisions since decision_checks keep their checks as rows (their JSON is NULL): in the older shape here.
-    for c in store.rows(con, "SELECT * FROM decision_checks WHERE list_contains(?, run_id) ORDER BY position", [runs]):
+    for c in reads.rows(con, "SELECT * FROM decision_checks WHERE list_contains(?, run_id) ORDER BY position", [runs]):
         passed = {"pass": True, "fail": False}.get(c["outcome"])
         out.setdefault((c["run_id"], c["variant_uid"]), []).append(
             {"check": c["name"], "passed": passed, "note": c["note"], "value": c["value"], "lower": c["lower"],

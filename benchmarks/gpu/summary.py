@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions, transfer
 
 GIB = 1024**3
 
@@ -23,7 +23,7 @@ def render(con: Any, run_id: str | None = None) -> str:
     run = _run(con, run_id)
     if run is None:
         return "# GPU suite\n\nNo gpu-suite run in this warehouse.\n"
-    found = store.rows(con, "SELECT s.device FROM speed_results s JOIN variants v USING (variant_uid)"
+    found = reads.rows(con, "SELECT s.device FROM speed_results s JOIN variants v USING (variant_uid)"
                             " WHERE s.run_id = ? AND s.device IS NOT NULL ORDER BY v.name, s.scenario, s.engine LIMIT 1",
                        [run["run_id"]])
     device = found[0]["device"] if found else "unknown device"
@@ -44,7 +44,7 @@ def render(con: Any, run_id: str | None = None) -> str:
 def sections(con: Any, rid: str) -> list[Section]:
     """The tables of a run's speed figures, in the order the summary shows them (any run: a gpu-suite run has
     them all, an evaluate-model run those of its benchmarks)."""
-    speed = store.rows(
+    speed = reads.rows(
         con,
         "SELECT s.*, v.name AS variant, v.weights FROM speed_results s JOIN variants v USING (variant_uid)"
         " WHERE s.run_id = ? ORDER BY v.name, s.scenario, s.engine",
@@ -54,7 +54,7 @@ def sections(con: Any, rid: str) -> list[Section]:
         r for r in speed if r["decode_tokens_per_s"] is not None or (r["status"] != "ok" and "latency" in r["scenario"])
     ]
     return [
-        Section("steps", "Steps", store.rows(
+        Section("steps", "Steps", reads.rows(
             con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [rid]), [
             ("#", "step_index", str), ("part", "part", str), ("engine", "engine", str), ("build", "build", str),
             ("scenarios", "scenarios", lambda v: ", ".join(v)), ("status", "status", str),
@@ -68,7 +68,7 @@ def sections(con: Any, rid: str) -> list[Section]:
         Section(
             "speedup",
             "Quantized over base (same engine and scenario)",
-            store.rows(con, "SELECT s.*, v.name AS variant FROM variant_speedup s JOIN variants v USING (variant_uid)"
+            reads.rows(con, "SELECT s.*, v.name AS variant FROM variant_speedup s JOIN variants v USING (variant_uid)"
                             " WHERE s.run_id = ? AND s.speedup IS NOT NULL ORDER BY v.name, s.scenario, s.engine", [rid]),
             [("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
              ("tok/s", "tokens_per_s", fixed(0)), ("base tok/s", "base_tokens_per_s", fixed(0)), ("speedup", "speedup", fixed(2)),
@@ -77,7 +77,7 @@ def sections(con: Any, rid: str) -> list[Section]:
         Section(
             "crosscheck",
             "vLLM cross-check: ours vs `vllm bench throughput` on the same config",
-            store.rows(con, "SELECT c.*, v.name AS variant FROM vllm_crosscheck c JOIN variants v USING (variant_uid)"
+            reads.rows(con, "SELECT c.*, v.name AS variant FROM vllm_crosscheck c JOIN variants v USING (variant_uid)"
                             " WHERE c.run_id = ? ORDER BY v.name, c.scenario", [rid]),
             [("variant", "variant", str), ("scenario", "scenario", str),
              ("ours out tok/s", "ours_output_tokens_per_s", fixed(0)), ("bench out tok/s", "bench_output_tokens_per_s", fixed(0)),
@@ -99,7 +99,7 @@ def sections(con: Any, rid: str) -> list[Section]:
         Section(
             "serving",
             "Serving (vLLM): latency percentiles and goodput per load",
-            store.rows(
+            reads.rows(
                 con,
                 "SELECT p.*, g.output_tokens_per_s, g.goodput_requests_per_s, g.good_fraction, g.energy_j_per_token,"
                 " v.name AS variant FROM latency_percentiles p"
@@ -127,7 +127,7 @@ def sections(con: Any, rid: str) -> list[Section]:
         Section(
             "tuned_serving",
             "Tuned serving config (sweep of vLLM settings): best point by goodput at the SLO vs vLLM's defaults",
-            store.rows(con, "SELECT * FROM tuned_serving_config WHERE run_id = ? ORDER BY variant, sweep", [rid]),
+            reads.rows(con, "SELECT * FROM tuned_serving_config WHERE run_id = ? ORDER BY variant, sweep", [rid]),
             [("variant", "variant", str), ("sweep", "sweep", str), ("points", "points", str), ("ok", "points_ok", str),
              ("best point", "best_point", str), ("kernel", "best_kernel", cell),
              ("best goodput req/s", "best_goodput", fixed(2)), ("at load", "best_load", cell),
@@ -140,7 +140,7 @@ def sections(con: Any, rid: str) -> list[Section]:
         Section(
             "cost",
             "Cost per million output tokens",
-            store.rows(con, "SELECT c.*, v.name AS variant FROM variant_cost c JOIN variants v USING (variant_uid)"
+            reads.rows(con, "SELECT c.*, v.name AS variant FROM variant_cost c JOIN variants v USING (variant_uid)"
                             " WHERE c.run_id = ? ORDER BY v.name, c.engine, c.scenario", [rid]),
             [("variant", "variant", str), ("engine", "engine", str), ("scenario", "scenario", str),
              ("US$/h", "usd_per_hour", fixed(2)), ("devices", "num_devices", str), ("out tok/s", "tokens_per_s", fixed(0)),
@@ -215,9 +215,9 @@ def _offline(speed: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _run(con: Any, run_id: str | None) -> dict[str, Any] | None:
     if run_id:
-        found = store.rows(con, "SELECT * FROM runs WHERE run_id = ?", [run_id])
+        found = reads.rows(con, "SELECT * FROM runs WHERE run_id = ?", [run_id])
     else:
-        found = store.rows(con, "SELECT * FROM runs WHERE flow_name = 'gpu-suite' ORDER BY started_at DESC LIMIT 1")
+        found = reads.rows(con, "SELECT * FROM runs WHERE flow_name = 'gpu-suite' ORDER BY started_at DESC LIMIT 1")
     return found[0] if found else None
 
 
@@ -278,10 +278,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--run-id")
     parser.add_argument("--parquet", help="also export every table to this folder")
     args = parser.parse_args(argv)
-    with store.session(args.warehouse, read_only=True) as con:
+    with sessions.session(args.warehouse, read_only=True) as con:
         print(render(con, args.run_id))
         if args.parquet:
-            store.export_parquet(con, args.parquet)
+            transfer.export_parquet(con, args.parquet)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def kl_reports(
     device: str = "cpu",
     dtype: str = "float32",
 ) -> dict[str, QualityReport]:
-    """kl_divergence of each variant (by uid) as a QualityReport for `store.record_quality`, the base loaded
+    """kl_divergence of each variant (by uid) as a QualityReport for `writers.record_quality`, the base loaded
     once for all of them and each variant in turn; a failure comes back as status "failed" (a failed base
     load fails every report)."""
     import torch

@@ -12,7 +12,7 @@ import yaml
 
 from tests.shapes import SMALL_QWEN
 from quantgate.flows.gpu_suite import gpu_suite
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,12 +73,12 @@ def _run(tmp_path: Path, part: str) -> Path:
 
 def _speed(con) -> dict:
     return {(r["engine"], r["scenario"], r["variant_uid"].rsplit("-", 1)[-1]): r
-            for r in store.rows(con, "SELECT * FROM speed_results")}
+            for r in reads.rows(con, "SELECT * FROM speed_results")}
 
 
 # One test per part, so that pytest-xdist spreads them over the GPUs (benchmarks/gpu/run_tests.sh).
 def test_vllm_offline_latency_roofline_and_the_bench_crosscheck(tmp_path):
-    with store.session(_run(tmp_path, "offline"), read_only=True) as con:
+    with sessions.session(_run(tmp_path, "offline"), read_only=True) as con:
         speed = _speed(con)
         for build in ("bf16", "g128"):
             offline = speed[("vllm", "offline", build)]
@@ -86,7 +86,7 @@ def test_vllm_offline_latency_roofline_and_the_bench_crosscheck(tmp_path):
             lat = speed[("vllm", "latency", build)]
             assert lat["bandwidth_gbps"] > 1000 and lat["weight_bytes_per_token"] > 0
             assert 0 < lat["roofline_fraction"] < 1.2
-        (cc,) = store.rows(con, "SELECT * FROM vllm_crosscheck")
+        (cc,) = reads.rows(con, "SELECT * FROM vllm_crosscheck")
         assert cc["scenario"] == "offline-sampled" and speed[("vllm", "offline-sampled", "bf16")]["output_tokens"] == 16 * 32
         assert cc["bench_output_tokens_per_s"] > 0 and abs(cc["output_gap_pct"]) < 90
         # Ours took the bench's text prompts: their tokens as vLLM counted them, within the bench dataset's
@@ -96,7 +96,7 @@ def test_vllm_offline_latency_roofline_and_the_bench_crosscheck(tmp_path):
 
 
 def test_transformers_bf16_and_w4a16_with_allocator_and_nvml_peaks(tmp_path):
-    with store.session(_run(tmp_path, "transformers"), read_only=True) as con:
+    with sessions.session(_run(tmp_path, "transformers"), read_only=True) as con:
         speed = _speed(con)
         hf = speed[("transformers", "latency", "bf16")]
         assert hf["torch_peak_bytes"] > 0 and hf["nvml_peak_bytes"] > 0 and 0 < hf["roofline_fraction"] < 1.2
@@ -104,17 +104,17 @@ def test_transformers_bf16_and_w4a16_with_allocator_and_nvml_peaks(tmp_path):
 
 
 def test_vllm_serve_percentiles_and_goodput(tmp_path):
-    with store.session(_run(tmp_path, "serving"), read_only=True) as con:
-        pct = {r["load"]: r for r in store.rows(con, "SELECT * FROM latency_percentiles")}
+    with sessions.session(_run(tmp_path, "serving"), read_only=True) as con:
+        pct = {r["load"]: r for r in reads.rows(con, "SELECT * FROM latency_percentiles")}
         assert set(pct) == {"c=1", "c=4", "rate=20"}
         assert all(r["completed"] == r["requests"] and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in pct.values())
-        good = store.rows(con, "SELECT * FROM serving_goodput")
+        good = reads.rows(con, "SELECT * FROM serving_goodput")
         assert all(g["good_requests"] == g["completed"] for g in good)
         assert _speed(con)[("vllm", "serving", "bf16")]["kv_cache_tokens"] > 0
 
 
 def test_levers_ngram_speculation_and_transformers_compile(tmp_path):
-    with store.session(_run(tmp_path, "levers"), read_only=True) as con:
+    with sessions.session(_run(tmp_path, "levers"), read_only=True) as con:
         speed = _speed(con)
         assert speed[("transformers", "latency-compile", "bf16")]["tpot_ms"] > 0
         assert "spec_decode" in json.loads(speed[("vllm", "latency-ngram", "bf16")]["details"])

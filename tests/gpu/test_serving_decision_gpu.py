@@ -1,5 +1,5 @@
 """Serving inside evaluate-model on the device: dispatch runs a serving scenario with a sweep of two points for a
-base and a variant (the tiny model and a copy of it) as real `vllm serve` starts, the flow's store path writes
+base and a variant (the tiny model and a copy of it) as real `vllm serve` starts, the flow's warehouse writers store
 the loads, variant_serving picks each one's tuned point, and the decision's serving check carries it.
 tests/test_sweep_cost.py checks the view's picks on chosen timings; this checks the real path. The second point,
 a lower max_num_seqs, is one the sweep skips on real readings: the defaults' KV cache (read from the server's
@@ -24,7 +24,7 @@ from quantgate.catalog.records import VariantArtifact
 from quantgate.catalog.scenarios import scenario_from
 from quantgate.flows import dispatch
 from quantgate.tasks.steps.decide import decide
-from quantgate.warehouse import store
+from quantgate.warehouse import ledger, reads, sessions, writers
 from tests.shared_data import TINY_MODEL
 
 pytestmark = [
@@ -51,14 +51,14 @@ def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_pa
     cat = cat.model_copy(update={"scenarios": {**cat.scenarios, "srv": scenario_from(SCENARIO)}})
     spec = cat.model("stories260k").model_copy(update={"scenarios": ("srv",)})
     wh = tmp_path / "w.ducklake"
-    with store.session(wh) as con:
-        store.start_run(con, "r", "evaluate-model", "tiny", "catalog", "h", "host", {})
-        store.record_variant(con, "r", base, "base")
-        store.record_variant(con, "r", variant, "variant")
+    with sessions.session(wh) as con:
+        ledger.start_run(con, "r", "evaluate-model", "tiny", "catalog", "h", "host", {})
+        writers.record_variant(con, "r", base, "base")
+        writers.record_variant(con, "r", variant, "variant")
 
     def keep(uid: str, result: dispatch.JobResult) -> None:
-        with store.session(wh) as con:
-            store.record_measured(con, "r", uid, result.measured)
+        with sessions.session(wh) as con:
+            writers.record_measured(con, "r", uid, result.measured)
 
     @flow
     def run() -> dict:
@@ -70,8 +70,8 @@ def test_a_swept_serving_scenario_is_stored_and_judged_on_its_tuned_point(tmp_pa
     assert default.status == "ok" and len(default_loads) == 2 and default.kv_cache_tokens >= 8 * (32 + 16), default
     assert lower.status == "skipped" and "cannot change the outcome" in (lower.reason or "") and not lower_loads
     assert sum(r.details.get("engine_starts", 0) for r, _ in measured["copy"]) == 1  # the skipped point started nothing
-    with store.session(wh, read_only=True) as con:
-        (row,) = store.rows(con, "SELECT * FROM variant_serving")
+    with sessions.session(wh, read_only=True) as con:
+        (row,) = reads.rows(con, "SELECT * FROM variant_serving")
     assert row["variant_uid"] == "copy" and (row["points"], row["points_ok"]) == (2, 1) and row["point"] == "default"
     assert row["goodput_requests_per_s"] > 0 and row["goodput_ratio"] > 0
     policy = Policy.model_validate({"version": 1, "quality": [],

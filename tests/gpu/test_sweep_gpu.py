@@ -14,7 +14,7 @@ import yaml
 
 from tests.shapes import SMALL_QWEN
 from quantgate.flows.gpu_suite import gpu_suite
-from quantgate.warehouse import store
+from quantgate.warehouse import reads, sessions
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,12 +42,12 @@ def test_w4a16_sweep_picks_a_tuned_config_and_prices_it(tmp_path):
                         deadline_s=600, grace_s=60)
 
     assert step["status"] == "ok", step["reason"]
-    with store.session(wh, read_only=True) as con:
-        points = {r["point"]: r for r in store.rows(con, "SELECT * FROM serving_sweep")}
-        (tuned,) = store.rows(con, "SELECT * FROM tuned_serving_config")
-        cost = store.rows(con, "SELECT * FROM variant_cost WHERE scenario LIKE 'sw@%'")
-        loads = store.rows(con, "SELECT scenario, load, completed FROM serving_loads ORDER BY scenario, load")
-        marlin = store.rows(con, "SELECT details FROM speed_results WHERE scenario = 'sw@kernel=MarlinLinearKernel'")
+    with sessions.session(wh, read_only=True) as con:
+        points = {r["point"]: r for r in reads.rows(con, "SELECT * FROM serving_sweep")}
+        (tuned,) = reads.rows(con, "SELECT * FROM tuned_serving_config")
+        cost = reads.rows(con, "SELECT * FROM variant_cost WHERE scenario LIKE 'sw@%'")
+        loads = reads.rows(con, "SELECT scenario, load, completed FROM serving_loads ORDER BY scenario, load")
+        marlin = reads.rows(con, "SELECT details FROM speed_results WHERE scenario = 'sw@kernel=MarlinLinearKernel'")
     assert set(points) == {"default", "kv_cache_dtype=fp8", "kernel=MarlinLinearKernel"}
     # The defaults' KV cache (0.3 of the GPU) holds the highest load whole and meets the SLO: an FP8 KV cache cannot
     # change the outcome, so that point is skipped with the reason (tasks/adapters/speed/sweep.py's moot rule).
