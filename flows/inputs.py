@@ -94,7 +94,7 @@ def current_sha(spec: ModelSpec, work_root: Path, *, offline: bool | None = None
         try:
             return HfApi().model_info(src.repo_id, revision=src.revision).sha
         except Exception as e:  # noqa: BLE001 - an unreachable hub falls back to the local cache below
-            reason = download._brief(e)
+            reason = download.brief(e)
     else:
         reason = "offline mode is on"
     cached = download._cached(src, None)

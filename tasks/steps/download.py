@@ -4,15 +4,14 @@ shape written once with random weights.
 Every model comes back as a folder transformers can load, identified by the hub commit sha or by a
 content hash (local folder: its model files; GGUF: the .gguf file's, with the converter version and dtype; shape:
 its config, the seed and the writer's version).
-A GGUF comes from a folder, an installed package, or wheels on the package registry (tasks/adapters/gguf_parts.py).
+A GGUF comes from a folder, an installed package, or wheels on the package registry (tasks/adapters/gguf_parts.py);
+its conversion is download_gguf.py, its identity (gguf_sha) is here beside the others.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import hashlib
-import importlib.metadata
 import json
 import logging
 import shutil
@@ -28,13 +27,14 @@ from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.records import ModelArtifact, Provenance
 from quantgate.catalog.settings import settings
 from quantgate.catalog.sources import (
-    GgufParts, GgufSource, HubSource, LocalSource, ShapeSource, shape_config, shape_generation_config,
+    GgufSource, HubSource, LocalSource, ShapeSource, shape_config, shape_generation_config,
 )
-from quantgate.tasks.adapters import gguf_parts
 from quantgate.tasks.adapters.dummy_weights import DummyWeightsError, write_dummy_checkpoint
-from quantgate.tasks.adapters.provenance import config_provenance, gguf_name_provenance, gguf_provenance
+from quantgate.tasks.adapters.provenance import config_provenance
 from quantgate.tasks.runtime import faults
 from quantgate.tasks.runtime.files import write_atomic
+from quantgate.tasks.steps.download_error import DownloadError, brief
+from quantgate.tasks.steps.download_gguf import converted_gguf, converted_gguf_provenance, locate_gguf
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +51,10 @@ _CHUNK = 8 << 20
 # Version of the GGUF conversion, part of a GGUF checkpoint's identity: 2 stores the source's dtype (bf16 by
 # default, float32 before) and ties the embeddings only where the file does.
 GGUF_CONVERTER = 2
-# Beside a GGUF's conversion: the GGUF's provenance, read from the file while it was at hand.
-GGUF_PROVENANCE = "quantgate-gguf-provenance.json"
 # A shape's random weights: the seed, and the writer's version (part of the checkpoint's identity, like the
 # converter's: a change to how dummy_weights draws values must not reuse checkpoints drawn the old way).
 SHAPE_SEED = 0
 SHAPE_WRITER = 1
-
-
-class DownloadError(QuantgateError, RuntimeError):
-    """A model that cannot be fetched; the message is one line naming the model."""
 
 
 def fetch_model(
@@ -83,10 +77,11 @@ def fetch_model(
         path, sha = _fetch_shape(spec.id, src, cache_dir)
         revision = None
     else:
-        path, sha = _fetch_gguf(spec.id, src, cache_dir)
+        sha = gguf_sha(spec.id, src, cache_dir)
+        path = converted_gguf(spec.id, src, cache_dir, sha)
         revision = None
     faults.point("download")
-    gguf = _gguf_provenance(spec.id, src, path, cache_dir) if isinstance(src, GgufSource) else None
+    gguf = converted_gguf_provenance(spec.id, src, path, cache_dir) if isinstance(src, GgufSource) else None
     return _describe(spec, src.kind, path, revision, sha, gguf)
 
 
@@ -122,13 +117,13 @@ def _fetch_hub(src: HubSource, hub_cache: Path | None, offline: bool) -> tuple[P
             cached = _cached(src, hub_cache)
             if cached is not None:
                 log.warning("%s: hub unreachable (%s); using the cached snapshot %s",
-                            label, _brief(cause), cached[1][:12])
+                            label, brief(cause), cached[1][:12])
                 return cached
             delay = next(delays, None)
             if delay is None:
-                msg = f"{label}: not in the local cache and the hub is unreachable ({_brief(cause)})"
+                msg = f"{label}: not in the local cache and the hub is unreachable ({brief(cause)})"
                 raise DownloadError(msg) from None
-            log.warning("%s: %s; retrying in %.0fs", label, _brief(cause), delay)
+            log.warning("%s: %s; retrying in %.0fs", label, brief(cause), delay)
             time.sleep(delay)
 
 
@@ -238,11 +233,6 @@ def _transient(e: BaseException) -> BaseException | None:
     return None
 
 
-def _brief(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
-
-
 # --- local folder ------------------------------------------------------------------------------
 
 
@@ -323,7 +313,7 @@ class _HashCache:
         self.dirty = False
 
 
-# --- GGUF --------------------------------------------------------------------------------------
+# --- GGUF: the identity (the conversion: download_gguf.py) ------------------------------------
 
 
 def gguf_sha(model_id: str, src: GgufSource, cache_dir: Path) -> str:
@@ -333,128 +323,10 @@ def gguf_sha(model_id: str, src: GgufSource, cache_dir: Path) -> str:
         file_sha = src.parts.sha256
     else:
         hashes = _HashCache(Path(cache_dir) / HASH_CACHE)
-        file_sha = hashes.sha256(_locate_gguf(model_id, src))
+        file_sha = hashes.sha256(locate_gguf(model_id, src))
         hashes.save()
     ident = {"gguf": file_sha, "converter": GGUF_CONVERTER, "dtype": src.dtype}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
-
-
-def _fetch_gguf(model_id: str, src: GgufSource, cache_dir: Path) -> tuple[Path, str]:
-    sha = gguf_sha(model_id, src, cache_dir)
-    out = cache_dir / "gguf" / f"{Path(src.file).stem}-{sha[:12]}"
-    if not out.is_dir():
-        gguf = _assemble_gguf(model_id, src.parts, src.file, cache_dir) if src.parts else _locate_gguf(model_id, src)
-        _convert_gguf(model_id, gguf, out, src.dtype)
-    return out, sha
-
-
-def _gguf_provenance(model_id: str, src: GgufSource, out: Path, cache_dir: Path) -> Provenance:
-    """The GGUF's quant type as its conversion recorded it: the dequantized checkpoint holds 16-bit weights and
-    no longer says, and the GGUF itself (an assembled file, a package) may be gone since. A conversion made
-    before it was recorded is read from the file where it is at hand, else from the file's name."""
-    recorded = out / GGUF_PROVENANCE
-    if recorded.is_file():
-        return Provenance(**json.loads(recorded.read_text()))
-    gguf = gguf_parts.assembled_path(src.parts, src.file, cache_dir) if src.parts else _locate_gguf(model_id, src)
-    if gguf.is_file():
-        return gguf_provenance(gguf)
-    return gguf_name_provenance(src.file) or Provenance(True, "gguf", evidence="a GGUF file no longer at hand")
-
-
-def _assemble_gguf(model_id: str, parts: GgufParts, file: str, cache_dir: Path) -> Path:
-    try:
-        return gguf_parts.assemble(parts, file, cache_dir)
-    except gguf_parts.AssemblyError as e:
-        raise DownloadError(f"{model_id}: {e}") from None
-
-
-def _locate_gguf(model_id: str, src: GgufSource) -> Path:
-    if src.path is not None:
-        path = Path(src.path).expanduser() / src.file
-        if not path.is_file():
-            raise DownloadError(f"{model_id}: GGUF file {path} does not exist")
-        return path.resolve()
-    assert src.package is not None
-    dist = _distribution(model_id, src.package)
-    # importlib.metadata, not importlib.resources: importing the package may need its (uninstalled) deps.
-    for f in dist.files or ():
-        if f.as_posix() == src.file or f.name == src.file:
-            path = Path(str(dist.locate_file(f)))
-            if path.is_file():
-                return path.resolve()
-    ggufs = sorted(f.name for f in dist.files or () if f.name.endswith(".gguf"))
-    msg = f"{model_id}: package {src.package!r} has no file {src.file!r} (its GGUF files: {ggufs or 'none'})"
-    raise DownloadError(msg)
-
-
-def _distribution(model_id: str, package: str) -> importlib.metadata.Distribution:
-    try:
-        return importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    for name in importlib.metadata.packages_distributions().get(package, []):
-        return importlib.metadata.distribution(name)
-    raise DownloadError(f"{model_id}: package {package!r} is not installed (pip install {package})")
-
-
-def _convert_gguf(model_id: str, gguf: Path, out: Path, dtype: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        started = time.perf_counter()
-        _dequantize_to(model_id, gguf, tmp, dtype)
-        # Read from the file while it is at hand, kept with the conversion (written before the rename: a
-        # conversion folder always has it).
-        (tmp / GGUF_PROVENANCE).write_text(json.dumps(dataclasses.asdict(gguf_provenance(gguf))))
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not out.is_dir():  # otherwise a concurrent run finished the same conversion first
-                raise
-        log.info("%s: converted %s to %s in %.1fs", model_id, gguf.name, out, time.perf_counter() - started)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _dequantize_to(model_id: str, gguf: Path, folder: Path, dtype_name: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = getattr(torch, dtype_name)
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except (ValueError, KeyError, ImportError, OSError) as e:
-        raise DownloadError(f"{model_id}: transformers cannot load {gguf.name} ({_brief(e)})") from None
-    config = loaded.config
-    # The file decides: an output matrix of its own (output.weight) is a separate lm_head, trained apart from
-    # the embeddings; tying it to them would replace it with the embedding matrix.
-    tied = not _has_output_matrix(gguf)
-    if bool(config.tie_word_embeddings) != tied:
-        holds = "no output.weight (tied to token_embd.weight)" if tied else "output.weight apart from token_embd.weight"
-        raise DownloadError(f"{model_id}: {gguf.name} holds {holds}, but transformers loaded it with "
-                            f"tie_word_embeddings={config.tie_word_embeddings}")
-    # A GGUF-loaded model carries a quantization_config and refuses save_pretrained; rebuild it as a
-    # plain model that shares the dequantized tensors (meta init + assign: no second copy in memory).
-    del config.quantization_config
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    plain.load_state_dict(loaded.state_dict(), strict=True, assign=True)
-    if tied:
-        plain.tie_weights()
-    plain.generation_config = loaded.generation_config
-    plain.save_pretrained(folder)
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        # GGUF metadata sets it; transformers ignores it for BPE and warns on every load.
-        tokenizer.clean_up_tokenization_spaces = False
-    tokenizer.save_pretrained(folder)
-
-
-def _has_output_matrix(gguf: Path) -> bool:
-    """Whether the GGUF file stores an output matrix (output.weight) of its own, apart from its embeddings."""
-    from gguf import GGUFReader
-
-    return any(t.name == "output.weight" for t in GGUFReader(gguf).tensors)
 
 
 # --- a model's shape, random weights ------------------------------------------------------------
