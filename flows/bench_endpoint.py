@@ -113,10 +113,4 @@ def bench_endpoint_flow(
             result = _bench(target, name, cat.scenarios[name], timeout_s, wh, run_id, uid)
             log.info("%s on %s: %s%s", name, target.base_url, result.status, f" ({result.reason})" if result.reason else "")
     with sessions.session(wh) as con:
-        return reads.rows(
-            con,
-            "SELECT s.scenario, s.status, s.reason, s.tokens_per_s, s.ttft_ms, s.tpot_ms, e.server, e.server_version,"
-            " c.usd_per_million_output_tokens, c.usd_per_million_output_tokens_at_slo, c.slo_load"
-            " FROM speed_results s LEFT JOIN serving_endpoints e USING (run_id, variant_uid, engine, scenario)"
-            " LEFT JOIN variant_cost c USING (run_id, variant_uid, engine, scenario)"
-            " WHERE s.run_id = ? ORDER BY s.scenario", [run_id])
+        return reads.endpoint_scenarios(con, run_id)

@@ -106,7 +106,7 @@ def run(
                       f"full report: quantgate report --model {model_id} --out report.html", highlight=False)
         with sessions.session(warehouse, read_only=True) as con:
             stages = reads.stage_summary(con, card[0]["run_id"])
-            timeline = reads.rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [card[0]["run_id"]])
+            timeline = reads.run_timeline(con, card[0]["run_id"])
         _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"], width=TABLE_WIDTH)
         for t in timeline:
             console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
@@ -350,11 +350,8 @@ def report(
         console.print(f"report: {path}")
         return
     with sessions.session(warehouse, read_only=True) as con:
-        where, params = ("WHERE model_id = ?", [model]) if model else ("", [])
-        moved = reads.rows(con, "SELECT * FROM regressions WHERE change IN ('worse', 'better', 'changed')"
-                                f" {'AND model_id = ?' if model else ''}"
-                                " ORDER BY flagged DESC, model_id, variant, kind, measure", params)
-        rows = reads.rows(con, f"SELECT * FROM variant_scorecard {where}", params)
+        moved = reads.changes_since_previous(con, model)
+        rows = reads.latest_scorecards(con, model)
     if moved:
         console.print("[bold]Changes beyond noise since the previous run[/bold] (worse first)")
         _print_rows(moved, ["kind", "model_id", "variant", "measure", "previous_value", "value", "delta", "noise",

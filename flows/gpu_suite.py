@@ -400,7 +400,7 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
 
         run_steps(steps, clock, execute, skip, record, lanes, wide)
     with sessions.session(wh) as con:
-        return reads.rows(con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [run_id])
+        return reads.suite_steps(con, run_id)
 
 
 def _versions() -> dict[str, str]:

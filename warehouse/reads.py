@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import duckdb
+
 from quantgate.catalog.records import MetricResult, ModelArtifact, Provenance
 
 
@@ -152,3 +154,39 @@ def speed_source(con, speed_key: str) -> tuple[str, str] | None:
         [speed_key],
     ).fetchone()
     return (found[0], found[1]) if found else None
+
+
+def run_timeline(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+    """A run's wall time from its start to its decisions, and its engine starts (the `run_timeline` view)."""
+    return rows(con, "SELECT * FROM run_timeline WHERE run_id = ?", [run_id])
+
+
+def latest_scorecards(con: duckdb.DuckDBPyConnection, model_id: str | None = None) -> list[dict[str, Any]]:
+    """The scorecard of each model's latest run, or of one model's."""
+    where, params = ("WHERE model_id = ?", [model_id]) if model_id else ("", [])
+    return rows(con, f"SELECT * FROM variant_scorecard {where}", params)
+
+
+def changes_since_previous(con: duckdb.DuckDBPyConnection, model_id: str | None = None) -> list[dict[str, Any]]:
+    """What moved beyond noise since each model's previous run (or one model's): the `regressions` that changed,
+    flagged ones (worse) first."""
+    return rows(con, "SELECT * FROM regressions WHERE change IN ('worse', 'better', 'changed')"
+                     f" {'AND model_id = ?' if model_id else ''}"
+                     " ORDER BY flagged DESC, model_id, variant, kind, measure", [model_id] if model_id else [])
+
+
+def endpoint_scenarios(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+    """Each scenario of a bench-endpoint run, in order: its speed row, the server that answered (where it said)
+    and what its output tokens cost."""
+    return rows(
+        con,
+        "SELECT s.scenario, s.status, s.reason, s.tokens_per_s, s.ttft_ms, s.tpot_ms, e.server, e.server_version,"
+        " c.usd_per_million_output_tokens, c.usd_per_million_output_tokens_at_slo, c.slo_load"
+        " FROM speed_results s LEFT JOIN serving_endpoints e USING (run_id, variant_uid, engine, scenario)"
+        " LEFT JOIN variant_cost c USING (run_id, variant_uid, engine, scenario)"
+        " WHERE s.run_id = ? ORDER BY s.scenario", [run_id])
+
+
+def suite_steps(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+    """The GPU suite's steps of a run, in order: what each ran, its status and why, and when."""
+    return rows(con, "SELECT * FROM suite_steps WHERE run_id = ? ORDER BY step_index", [run_id])
