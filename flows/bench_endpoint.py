@@ -15,13 +15,14 @@ import dataclasses
 import hashlib
 import platform
 import tempfile
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from quantgate.catalog.errors import CatalogError
-from quantgate.catalog.load import load_catalog
+from quantgate.catalog.load import Catalog, load_catalog
 from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.catalog.records import SpeedResult, VariantArtifact
 from quantgate.catalog.scenarios import ScenarioSpec
@@ -53,6 +54,35 @@ def _bench(target: Target, name: str, scenario: ScenarioSpec, timeout_s: float, 
     return result
 
 
+def _target(cat: Catalog, endpoint: str | None, url: str | None, model: str | None,
+            overrides: dict[str, Any]) -> Target:
+    """The server to benchmark: a catalog endpoint (at `url` when given) or a URL and model, with the `overrides`
+    given (None: the catalog's)."""
+    if endpoint is not None:
+        if endpoint not in cat.endpoints:
+            raise CatalogError(f"unknown endpoint {endpoint!r}: the catalog defines {sorted(cat.endpoints)}")
+        target = Target.from_spec(cat.endpoints[endpoint])
+    else:
+        if not (url and model):
+            raise CatalogError("give an endpoint name from the catalog, or a URL and --model")
+        target = Target(url=url, model=model)
+    target = dataclasses.replace(target, **{k: v for k, v in overrides.items() if v is not None})
+    if url and endpoint is not None:
+        target = dataclasses.replace(target, url=url)
+    return target
+
+
+def _serving_scenarios(cat: Catalog, scenarios: list[str] | None) -> list[str]:
+    """The scenarios named, each a serving scenario of the catalog; CatalogError when none is or one is not."""
+    serving = sorted(n for n, s in cat.scenarios.items() if s.kind == "serving")
+    if not scenarios:
+        raise CatalogError(f"no scenario given; serving scenarios of the catalog: {serving}")
+    for name in scenarios:
+        if name not in serving:
+            raise CatalogError(f"unknown serving scenario {name!r}: the catalog's are {serving}")
+    return scenarios
+
+
 @flow(name=FLOW_NAME, log_prints=True)
 def bench_endpoint_flow(
     url: str | None = None,
@@ -74,28 +104,12 @@ def bench_endpoint_flow(
     log = get_run_logger()
     cat_path = catalog or str(DEFAULT_CATALOG)
     cat = load_catalog(cat_path)
-    if endpoint is not None:
-        if endpoint not in cat.endpoints:
-            raise CatalogError(f"unknown endpoint {endpoint!r}: the catalog defines {sorted(cat.endpoints)}")
-        spec = cat.endpoints[endpoint]
-        target = Target.from_spec(spec)
-        scenarios = scenarios or list(spec.scenarios)
-    else:
-        if not (url and model):
-            raise CatalogError("give an endpoint name from the catalog, or a URL and --model")
-        target = Target(url=url, model=model)
     overrides = {"api_key_env": api_key_env, "prompt_format": prompt_format, "tokenizer": tokenizer,
                  "vllm_extras": vllm_extras, "device": device, "num_devices": num_devices}
-    target = dataclasses.replace(target, **{k: v for k, v in overrides.items() if v is not None})
-    if url and endpoint is not None:
-        target = dataclasses.replace(target, url=url)
-    if not scenarios:
-        raise CatalogError(f"no scenario given; serving scenarios of the catalog: "
-                           f"{sorted(n for n, s in cat.scenarios.items() if s.kind == 'serving')}")
-    for name in scenarios:
-        if name not in cat.scenarios or cat.scenarios[name].kind != "serving":
-            raise CatalogError(f"unknown serving scenario {name!r}: the catalog's are "
-                               f"{sorted(n for n, s in cat.scenarios.items() if s.kind == 'serving')}")
+    target = _target(cat, endpoint, url, model, overrides)
+    if endpoint is not None:  # none named: the catalog endpoint's own
+        scenarios = scenarios or list(cat.endpoints[endpoint].scenarios)
+    scenarios = _serving_scenarios(cat, scenarios)
     target.api_key()  # a named but unset key variable fails here, before anything is written
     run_id = str(flow_run.id)
     wh = warehouse or str(sessions.default_path())
