@@ -7,8 +7,9 @@ The folder holds the tables a run measured (Parquet, as `quantgate export --tabl
 loaded through today's migrations and views (benchmarks/summarize.py), and the section lists, per variant, its
 verdict, each gated quality check with its interval and power, the flip rate, the KL divergence, the speedup
 on the gated engine and the cost per million output tokens; then the base's score on each gated check beside
-the figure its makers published, with protocol and source, from the model's `published` list in the catalog
-(--catalog, default catalog/models.yaml, loaded through its schema). Nothing in it is typed by hand.
+the figure its makers published, with the tolerance a verdict checks it against, protocol and source, from the
+model's `published` list in the catalog (--catalog, default catalog/models.yaml, loaded through its schema). Nothing
+in it is typed by hand.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def _published(catalog: Path, model_id: str) -> tuple[dict[tuple[str, str], Publ
     return figures, why
 
 
+def _tolerance(figure: PublishedFigure | None) -> str:
+    """The protocol difference the entry allows, which a verdict checks the base's interval against
+    (tasks/steps/baseline.py); a figure without one is shown and never checked."""
+    if figure is None:
+        return "—"
+    return "— (not checked)" if figure.tolerance is None else f"± {figure.tolerance:.3f}"
+
+
 def _base_beside_published(con: Any, run_id: str, model_id: str, catalog: Path) -> list[str]:
     figures, why = _published(catalog, model_id)
     base = reads.rows(con, "SELECT c.name, c.task, c.metric, json_extract_string(c.detail, '$.filter') AS filter,"
@@ -75,12 +84,13 @@ def _base_beside_published(con: Any, run_id: str, model_id: str, catalog: Path) 
     # A figure for a check this run did not gate (its policy then differed from today's catalog) is still shown.
     rows += [(f"{f.task}/{f.metric}", None, None, None, f) for f in figures.values()]
     lines = ["", f"The base beside the figures its makers published ({_shown(catalog)}, the model's `published`):", "",
-             "| gated check | base | items | our protocol | published | ours − published | their protocol | source |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| gated check | base | items | our protocol | published | tolerance | ours − published | their protocol"
+             " | source |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, value, items, protocol, f in rows:
         gap = None if f is None or value is None else value - f.value
         lines.append(f"| {name} | {_num(value)} | {items or '—'} | {protocol or '—'} | {_num(f and f.value)} |"
-                     f" {'—' if gap is None else f'{gap:+.3f}'} | {f.protocol if f else '—'} |"
+                     f" {_tolerance(f)} | {'—' if gap is None else f'{gap:+.3f}'} | {f.protocol if f else '—'} |"
                      f" {f.source if f else '—'} |")
     if why:
         lines += ["", why]

@@ -40,7 +40,7 @@ def _section(*args: str) -> str:
 
 def _row(text: str, check: str) -> list[str]:
     (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| {check} |") and "our protocol" not in ln
-               and ln.count("|") == 9]
+               and ln.count("|") == 10]
     return [c.strip() for c in line.strip("|").split("|")]
 
 
@@ -51,10 +51,14 @@ def test_the_published_figure_stands_beside_the_base_with_its_source(tmp_path):
     text = _section("--catalog", str(catalog))
     assert f"--catalog {catalog.as_posix()} --write" in text  # how to regenerate it, catalog included
     # Measured from the run's tables (0.511 on 855 items); published, gap, protocol and source from the catalog.
-    assert _row(text, "qg_mmlu/acc") == ["qg_mmlu/acc", "0.511", "855", "5-shot, chat, multiturn", "0.600", "-0.089",
-                                        "5-shot, instruct model", "A technical report (arXiv:0000.00000v1), Table 1"]
+    assert _row(text, "qg_mmlu/acc") == ["qg_mmlu/acc", "0.511", "855", "5-shot, chat, multiturn", "0.600",
+                                        "— (not checked)", "-0.089", "5-shot, instruct model",
+                                        "A technical report (arXiv:0000.00000v1), Table 1"]
     assert _row(text, "qg_gsm8k_cot/exact_match (strict-match)") == [
-        "qg_gsm8k_cot/exact_match (strict-match)", "0.484", "800", "8-shot, chat, multiturn", "—", "—", "—", "—"]
+        "qg_gsm8k_cot/exact_match (strict-match)", "0.484", "800", "8-shot, chat, multiturn", "—", "—", "—", "—", "—"]
+    # The tolerance the entry states, which a verdict checks the base's interval against (issue 45), in its column.
+    tolerant = _section("--catalog", str(_catalog(tmp_path, [{**figure, "tolerance": 0.1}])))
+    assert _row(tolerant, "qg_mmlu/acc")[4:7] == ["0.600", "± 0.100", "-0.089"]
     assert "declares no published figure" not in text
     # The speed checks the host paced are shown with their paired range and decide nothing; FP8's GSM8K loss is
     # named as mostly format in its stored reason.
@@ -66,7 +70,7 @@ def test_the_published_figure_stands_beside_the_base_with_its_source(tmp_path):
 
 def test_no_figure_declared_or_no_such_model_is_said(tmp_path):
     text = _section("--catalog", str(_catalog(tmp_path, [])))
-    assert _row(text, "qg_mmlu/acc")[4:] == ["—", "—", "—", "—"]
+    assert _row(text, "qg_mmlu/acc")[4:] == ["—", "—", "—", "—", "—"]
     assert "declares no published figure for qwen2.5-coder-1.5b-instruct" in text
     text = _section("--catalog", str(_catalog(tmp_path, drop_model=True)))
     assert "has no model qwen2.5-coder-1.5b-instruct, so no published figure stands beside its scores" in text
