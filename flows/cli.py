@@ -23,6 +23,7 @@ from quantgate.catalog.load import load_catalog
 from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.catalog.selection import adhoc_model, resolve_variants
 from quantgate.flows import interrupts
+from quantgate.flows.reproduce import reproduce
 from quantgate.flows.verdicts import cell, model_notes, verdict_row
 from quantgate.warehouse import reads, sessions, transfer
 
@@ -135,6 +136,9 @@ def checks(
         _print_frame(found, fmt)
         return
     _print_rows(found, ["variant", "outcome", "note"], width=TABLE_WIDTH)  # the note names the check and its figures
+
+
+app.command()(reproduce)  # flows/reproduce.py: the lm_eval commands of a run's stored evaluations
 
 
 @app.command()
