@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.load import Catalog
 from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.sources import GgufSource, HubSource, LocalSource, ShapeSource
+from quantgate.tasks.runtime.environment import library_versions
 from quantgate.tasks.steps import download
 
 INPUT_LIBS = ("quantgate", "llmcompressor", "compressed-tensors", "transformers", "lm_eval", "torch", "bitsandbytes")
@@ -29,13 +29,9 @@ class ShaUnavailable(QuantgateError, RuntimeError):
 
 
 def _versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for name in INPUT_LIBS:
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
+    """INPUT_LIBS' versions, None for one not installed (its key stays, so that installing it changes the inputs)."""
+    found = library_versions(INPUT_LIBS)
+    return {name: found.get(name) for name in INPUT_LIBS}
 
 
 def model_inputs(cat: Catalog, spec: ModelSpec, sha: str) -> tuple[str, dict[str, Any]]:

@@ -17,7 +17,6 @@ import json
 import logging
 import shutil
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +33,6 @@ _NOISE = r"MatMul8bitLt: inputs will be cast from torch\.float32 to float16"
 
 class LoadTimeError(QuantgateError, RuntimeError):
     """A load-time variant folder that cannot be used; the message is one line."""
-
-
-def bnb_version() -> str | None:
-    try:
-        return version("bitsandbytes")
-    except PackageNotFoundError:
-        return None
 
 
 def config_kwargs(spec: VariantSpec) -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""The program a run is: which lock of the checkout (requirements/cpu.txt or requirements/gpu.txt) this environment
-was installed from, its hash, and every locked package whose installed version differs from its pin.
+"""The program a run is: the versions of the libraries it names (`library_versions`, the one place a run, a build,
+a model's inputs or a speed row learns them), which lock of the checkout (requirements/cpu.txt or
+requirements/gpu.txt) this environment was installed from, its hash, and every locked package whose installed
+version differs from its pin.
 
 Recorded with each run's library versions, so that a verdict names the program that made it. An installed wheel
 (no checkout beside it) has no lock to name, and says so."""
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import re
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
@@ -16,6 +19,19 @@ from pathlib import Path
 CHECKOUT = Path(__file__).resolve().parents[2]
 LOCKS = {"cpu": "requirements/cpu.txt", "gpu": "requirements/gpu.txt"}
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)")
+
+
+def library_versions(names: Iterable[str], *, required: bool = False) -> dict[str, str]:
+    """{name: installed version} of each distribution `names` lists, in that order. One that is not installed is
+    left out, or, when `required` (a library the caller cannot run without), raises PackageNotFoundError."""
+    found: dict[str, str] = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            if required:
+                raise
+    return found
 
 
 def canonical(name: str) -> str:

@@ -18,7 +18,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from quantgate.catalog.records import CalibrationSamples, ModelArtifact, Variant
 from quantgate.catalog.variants import CalibrationSpec, VariantSpec
 from quantgate.tasks.adapters import model_memory
 from quantgate.tasks.runtime import faults, launch
+from quantgate.tasks.runtime.environment import library_versions
 from quantgate.tasks.steps.calibration import load_calibration
 
 log = logging.getLogger(__name__)
@@ -42,14 +42,14 @@ LOAD_TIME_LIBS = ("bitsandbytes", "transformers")
 
 
 def lib_versions() -> dict[str, str]:
-    return {name: version(name) for name in (*UID_LIBS, "torch")}
+    """Library versions of a build: the quantizer's (UID_LIBS) and torch, all required."""
+    return library_versions((*UID_LIBS, "torch"), required=True)
 
 
 def load_time_versions() -> dict[str, str]:
     """Library versions of a load-time variant; bitsandbytes is "absent" where it is not installed."""
-    from quantgate.tasks.adapters.loadtime import bnb_version
-
-    return {"bitsandbytes": bnb_version() or "absent", "transformers": version("transformers"), "torch": version("torch")}
+    bnb = library_versions(["bitsandbytes"]).get("bitsandbytes", "absent")
+    return {"bitsandbytes": bnb, **library_versions(["transformers", "torch"], required=True)}
 
 
 def recipe_for(spec: VariantSpec) -> tuple[str, str]:

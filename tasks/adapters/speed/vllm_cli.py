@@ -4,7 +4,6 @@ log lines read back (out of memory, the root cause, the kernel picked, the KV-ca
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 import sys
@@ -15,6 +14,7 @@ from typing import Any
 from quantgate.catalog.scenarios import MP_KERNELS
 from quantgate.tasks.adapters.engines import EngineOptions
 from quantgate.tasks.adapters.speed.errors import ServingError
+from quantgate.tasks.runtime.environment import library_versions
 
 # `python -m vllm.entrypoints.cli.main` is what the `vllm` console script runs, without relying on PATH.
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
@@ -229,11 +229,6 @@ def read_log(path: str | Path) -> str:
 
 
 def vllm_versions() -> dict[str, str]:
-    out = {}
-    for name in ("vllm", "torch", "transformers", "compressed-tensors"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
+    """The libraries a vLLM run's speed rows record, those installed."""
+    return library_versions(("vllm", "torch", "transformers", "compressed-tensors"))
 
