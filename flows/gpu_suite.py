@@ -49,6 +49,8 @@ from quantgate.warehouse import ledger, reads, sessions, writers
 
 DEFAULT_SUITE = CATALOG_DIR / "gpu.yaml"
 FLOW_NAME = "gpu-suite"
+# The libraries whose versions a suite run records (those installed).
+RUN_LIBS = ("quantgate", "torch", "transformers", "vllm", "compressed-tensors", "prefect", "duckdb")
 
 
 class GpuSuiteError(QuantgateError, RuntimeError):
@@ -343,25 +345,12 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
     run_id = str(flow_run.id)
     wh = warehouse or str(sessions.default_path())
     root = work_dir(workdir) / "gpu" / shape
-    spec_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-    with sessions.session(wh) as con:
-        ledger.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, host_name(),
-                        {**_versions(), **environment.program()})
-        prices, prices_from = suite_prices(spec, spec_hash)
-        writers.record_prices(con, run_id, prices, prices_from)
+    _start_run(wh, run_id, shape, suite_path, spec)
     with ledger.run_outcome(wh, run_id):
         model, builds = prepare(spec, shape, config, root, {spec.base_build, *(s.build for _, s in steps)})
-        with sessions.session(wh) as con:
-            writers.record_model(con, run_id, model)
-            for name, b in builds.items():
-                writers.record_variant(con, run_id, b.variant, role="base" if name == spec.base_build else "variant")
+        _record_builds(wh, run_id, spec, model, builds)
 
-        def scenarios_of(step: SuiteStep) -> list[tuple[str, ScenarioSpec]]:
-            # A dummy build can only run with random or written-random weights.
-            return [(n, spec.scenarios[n].model_copy(update={"weights": "dummy"})) for n in step.scenarios]
-
-        def label(index: int, step: SuiteStep) -> str:
-            return f"{index:02d} {step.engine} {step.build} {'+'.join(step.scenarios)}"
+        scenarios_of = partial(_dummy_scenarios, spec)
 
         def rows_for(step: SuiteStep, status: str, reason: str) -> list[SpeedResult]:
             _, engine = _step_engines(step)
@@ -380,7 +369,7 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
             # A wide step (lane None) in a run over several GPUs gets all of them.
             on = lane if lane is not None else (",".join(gpus) if gpus else None)
             try:
-                return _execute(label(index, step) + (f" on GPU {on}" if on else ""), step, builds[step.build],
+                return _execute(_step_label(index, step) + (f" on GPU {on}" if on else ""), step, builds[step.build],
                                 scenarios, config, root / "logs" / f"step{index:02d}", timeout_s, wh, run_id, on)
             except Exception as e:
                 reason = one_line(e)
@@ -389,7 +378,7 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
                 return StepOutcome("failed", reason)
 
         def record(index: int, step: SuiteStep, outcome: StepOutcome, started: float | None, seconds: float | None) -> None:
-            log.info("%s: %s%s%s", label(index, step), outcome.status,
+            log.info("%s: %s%s%s", _step_label(index, step), outcome.status,
                      f" in {seconds:.0f} s" if seconds is not None else "", f" ({outcome.reason})" if outcome.reason else "")
             with sessions.session(wh) as con:
                 writers.record_suite_step(con, run_id, index, step.part, step.engine, step.build, step.scenarios,
@@ -403,16 +392,32 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
         return reads.suite_steps(con, run_id)
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata
+def _start_run(wh: str, run_id: str, shape: str, suite_path: Path, spec: GpuSuiteSpec) -> None:
+    """The run's row (the suite file and its spec's hash, this process's library versions and program) and the
+    GPU prices its costs are figured with."""
+    spec_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    with sessions.session(wh) as con:
+        ledger.start_run(con, run_id, FLOW_NAME, shape, str(suite_path.resolve()), spec_hash, host_name(),
+                         {**environment.library_versions(RUN_LIBS), **environment.program()})
+        prices, prices_from = suite_prices(spec, spec_hash)
+        writers.record_prices(con, run_id, prices, prices_from)
 
-    out = {}
-    for name in ("quantgate", "torch", "transformers", "vllm", "compressed-tensors", "prefect", "duckdb"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
+
+def _record_builds(wh: str, run_id: str, spec: GpuSuiteSpec, model: ModelArtifact, builds: dict[str, Build]) -> None:
+    """The dummy model and its builds, the suite's base build as the base."""
+    with sessions.session(wh) as con:
+        writers.record_model(con, run_id, model)
+        for name, b in builds.items():
+            writers.record_variant(con, run_id, b.variant, role="base" if name == spec.base_build else "variant")
+
+
+def _step_label(index: int, step: SuiteStep) -> str:
+    return f"{index:02d} {step.engine} {step.build} {'+'.join(step.scenarios)}"
+
+
+def _dummy_scenarios(spec: GpuSuiteSpec, step: SuiteStep) -> list[tuple[str, ScenarioSpec]]:
+    """The step's scenarios with dummy weights: a dummy build can only run with random or written-random weights."""
+    return [(n, spec.scenarios[n].model_copy(update={"weights": "dummy"})) for n in step.scenarios]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
