@@ -13,6 +13,10 @@ where there is no GPU (as CPU builds are), else in bfloat16, the dtype GPU build
 from __future__ import annotations
 
 import functools
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -103,15 +107,55 @@ def _load_problem(info: dict[str, Any]) -> str | None:
     return f"it loads wrong in Transformers: {'; '.join(parts)}"
 
 
+# Transformers 5 writes a weight conversion that failed (e.g. merging a checkpoint's experts into its fused expert
+# tensors) into its load report, a warning, and raises only "... look at the `CONVERSION` entries of the above
+# report!", a report a run's one line does not show: its first error and where it was going are read from it.
+_ERROR_LINE = re.compile(r"^(\w+(?:Error|Exception): \S.*)$", re.M)
+_TARGET_LINE = re.compile(r"^Error: (.+? on tensors destined for \S+?)\.? Ckpt contains", re.M)
+_STYLE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _Report(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(_STYLE.sub("", record.getMessage()))
+
+
+@contextmanager
+def _load_report() -> Iterator[list[str]]:
+    """What Transformers warns while a checkpoint loads (its load report among it)."""
+    handler, library = _Report(), logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        library.removeHandler(handler)
+
+
+def conversion_error(report: list[str]) -> str | None:
+    """The first failed weight conversion of a load report, in one line (its error, and its target), or None."""
+    text = "\n".join(report)
+    if (error := _ERROR_LINE.search(text)) is None:
+        return None
+    target = _TARGET_LINE.search(text, error.end())
+    return error.group(1)[:200] + (f" ({target.group(1)})" if target else "")
+
+
 def checkpoint_problem(base_path: str | Path, build_path: str | Path, scheme: str) -> str | None:
     """Why the checkpoint at `build_path`, a build of `base_path` with `scheme`, is wrong (one line), or None."""
     from transformers import AutoModelForCausalLM
 
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(build_path, dtype=getattr(torch, check_dtype()),
-                                                           output_loading_info=True)
-    except Exception as e:  # whatever stops the load is the finding, in one line
-        return f"it does not load in Transformers: {one_line(e)}"
+    with _load_report() as report:
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(build_path, dtype=getattr(torch, check_dtype()),
+                                                               output_loading_info=True)
+        except Exception as e:  # whatever stops the load is the finding, in one line
+            converted = conversion_error(report) if "CONVERSION" in str(e) else None
+            why = f"a weight conversion failed: {converted}" if converted else one_line(e)
+            return f"it does not load in Transformers: {why}"
     return _load_problem(info) or loaded_problem(model, base_path, scheme)
 
 
