@@ -7,8 +7,12 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tests.shared_data import TINY_MODEL
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Every Linear's in_features (64, 128) divisible by group sizes up to 64; 2 layers, grouped-query attention.
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -17,7 +21,8 @@ _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_k
 _MOE = dict(num_experts_per_tok=2, intermediate_size=128)
 
 
-def _config(family: str):
+def tiny_config(family: str) -> PretrainedConfig:
+    """The family's Transformers config, its dimensions scaled down (no weights: a shape run draws its own)."""
     import transformers as t
 
     make: dict[str, Callable[[], object]] = {
@@ -45,7 +50,7 @@ def tiny_model(family: str):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_config(family))
+    return AutoModelForCausalLM.from_config(tiny_config(family))
 
 
 def write_tiny(family: str, folder: Path) -> Path:
