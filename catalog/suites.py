@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Any
+
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from quantgate.catalog.spec import Strict
 
@@ -40,6 +42,20 @@ class SuiteSpec(Strict):
     # under the eval data root (the perplexity task's text). Never the calibration data: the overlap check
     # refuses a calibration set that shares text with it.
     kl_text: str | None = None
+    # The engine-drift sentinel (issue 45, item 3): each run re-measures the base on the first `probe` items of
+    # every task a quality gate names (a group's: of each subtask), with the evaluation's own engine and arguments,
+    # and sets them beside the model's previous run's, item for item. A move beyond the paired interval's noise
+    # while only library versions changed is engine drift, named in every verdict of the run. None: no probe.
+    probe: int | None = Field(default=None, ge=1)
+
+    @model_serializer(mode="wrap")
+    def _probe_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Without a probe the suite dumps as before there was one: catalog hashes, the nightly's inputs and
+        # resume keys of every suite that sets none stay as they were.
+        data = handler(self)
+        if self.probe is None:
+            data.pop("probe", None)
+        return data
 
     def num_fewshot_of(self, task: LocalTask) -> int | None:
         """The few-shot count asked of `task`: its own, else the suite's (None: the task YAML's default)."""

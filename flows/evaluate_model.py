@@ -32,6 +32,7 @@ from quantgate.flows import dispatch, interrupts, progress
 from quantgate.flows.inputs import model_inputs
 from quantgate.flows.live import work_dir
 from quantgate.flows.memory_plan import gpu_share
+from quantgate.flows.probe import probe_base
 from quantgate.flows.speed_plan import SpeedPlan
 from quantgate.tasks.adapters.model_memory import CapacityError
 from quantgate.tasks.runtime import environment, faults, gpu_memory, launch, placement
@@ -40,9 +41,10 @@ from quantgate.tasks.steps.calibration import CalibrationError
 from quantgate.tasks.steps.decide import decide_task
 from quantgate.tasks.steps.divergence import DivergenceError, kl_eval_key, kl_reports_task
 from quantgate.tasks.steps.download import DownloadError
+from quantgate.tasks.steps.drift import engine_versions
 from quantgate.tasks.steps.evaluate import eval_key, evaluate_task
 from quantgate.tasks.steps.quantize import base_variant, lib_versions, variant_from_row
-from quantgate.warehouse import lake, ledger, reads, sessions, statements, writers
+from quantgate.warehouse import drift, lake, ledger, reads, sessions, statements, writers
 
 T = TypeVar("T")
 
@@ -201,7 +203,8 @@ def _run(cat: Catalog, cat_path: Path, spec: ModelSpec, warehouse: str | None, w
         with sessions.session(wh) as con:
             run_id, resumed = ledger.begin_run(con, attempt_id, "evaluate-model", spec.id,
                                               resume_key(cat, spec, engines), str(cat_path.resolve()), cat.hash,
-                                              host_name(), {**lib_versions(), **environment.program()},
+                                              host_name(),
+                                              {**lib_versions(), **engine_versions(), **environment.program()},
                                               exclusive=where is not None)
             if not resumed:  # a resumed run keeps the prices its costs were computed with
                 writers.record_prices(con, run_id, cat.gpu_prices, cat.hash)
@@ -313,6 +316,8 @@ def _evaluate(cat: Catalog, spec: ModelSpec, run: _Run, root: Path, engines: lis
             variants_ok = [v for v, usable in built if usable]
             _kl(run, base, variants_ok, suite, setup)
         speed.finish([base, *variants_ok])
+    # After the measurements, on a free GPU: the base's probe, beside the previous run's (engine drift).
+    probe_base(run, base, suite, spec.policy or cat.policy, setup.backend, setup.device, setup.dtype, spec)
 
     decisions = _decide(run, spec, cat, base)
     for d in decisions:
@@ -528,8 +533,10 @@ def _decide(run: _Run, spec: ModelSpec, cat: Catalog, base: VariantArtifact) -> 
 
     def compute(con: Any) -> list[Decision]:
         evidence = reads.decision_evidence(con, run_id, [(g.task, g.metric) for g in policy.quality])
-        # The model's published figures: the base is checked against those that state a tolerance.
-        return [decide_task(row, base.size_bytes, policy=policy, published=spec.published,
+        found = drift.findings(con, run_id)
+        # The model's published figures: the base is checked against those that state a tolerance; its probe's
+        # findings (engine drift) label every verdict.
+        return [decide_task(row, base.size_bytes, policy=policy, published=spec.published, drift=found,
                             **evidence.of(row["variant_uid"]))
                 for row in evidence.variants]
 

@@ -43,6 +43,8 @@ def legacy_warehouse(path: Path, tables: Path, upto: int = 11, views: bool = Tru
         con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS random_weights BOOLEAN DEFAULT false")
         con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS prequantized BOOLEAN")
         con.execute("ALTER TABLE models ADD COLUMN IF NOT EXISTS provenance VARCHAR")
+        # ... and the engine-drift findings the regressions view reads (0016), empty in a file of its time.
+        con.execute((sessions.MIGRATIONS / "0016_engine_drift.sql").read_text().split("INSERT INTO schema_keys")[0])
         for view in sorted(sessions.VIEWS.glob("*.sql")):
             con.execute(view.read_text())
     con.close()

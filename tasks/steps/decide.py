@@ -12,6 +12,7 @@ from quantgate.catalog.models import PublishedFigure
 from quantgate.catalog.policy import Policy, QualityGate
 from quantgate.catalog.records import RANDOM_WEIGHTS, CheckOutcome, Decision, DecisionCheck, Verdict
 from quantgate.tasks.steps.baseline import base_se, gate_rows, provenance_check, published_checks
+from quantgate.tasks.steps.drift import drift_check
 from quantgate.tasks.steps.quality_stats import (
     QualityStatsError, RecoveryInterval, delta_interval, items_to_decide, sample_interval, z_score,
 )
@@ -311,13 +312,15 @@ def decide(
     serving: Sequence[dict[str, Any]] = (),
     formats: Sequence[dict[str, Any]] = (),
     published: Sequence[PublishedFigure] = (),
+    drift: Sequence[dict[str, Any]] = (),
 ) -> Decision:
     """`variant` is a row of `variants`; `recovery`, `speed`, `samples`, `flips`, `serving` and `formats` are its
     rows of the views `variant_recovery`, `variant_speedup`, `variant_paired_samples`, `variant_flips`,
     `variant_serving` and `variant_answer_format`. A variant row whose `random_weights` is true (its model's, a run
     on the model's shape) has every quality gate uninformative: its speed, serving and size checks decide as usual.
     Its `base_prequantized` and `base_provenance` (its model's) label the verdict (baseline.provenance_check);
-    `published` are the model's published figures, each with a tolerance checked against the base's score."""
+    `published` are the model's published figures, each with a tolerance checked against the base's score;
+    `drift` the run's engine-drift findings (rows of engine_drift: tasks/steps/drift.py), a label on the verdict."""
     uid = variant["variant_uid"]
     if variant["status"] != "built":
         # A skipped variant (its backend cannot run where the flow ran) was never measured: not accepted.
@@ -334,7 +337,7 @@ def decide(
     speed_check = _speed_check(policy, speed)
     size_check = _size_check(policy, variant.get("size_bytes"), base_size_bytes)
     checks = [c for c in (*baseline, *quality, speed_check, _serving_check(policy, serving), size_check,
-                          provenance_check(policy, variant)) if c is not None]
+                          provenance_check(policy, variant), drift_check(policy, drift)) if c is not None]
     verdict = verdict_of(checks)
     ordered = sorted(checks, key=lambda c: _REASON_ORDER.get(c.outcome, 3))
     lowers = [c.lower for c in quality if c.lower is not None]

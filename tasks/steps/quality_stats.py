@@ -69,6 +69,13 @@ def _finish(agg: Aggregation, ratio: np.ndarray) -> np.ndarray:
     return ratio
 
 
+def aggregate(agg: Aggregation, values: Sequence[float], weights: Sequence[float] | None = None) -> float:
+    """The score lm-eval reports from per-document values: f(Σvalue / Σweight), weights 1 for a mean."""
+    v = np.asarray(values, dtype=float)
+    w = np.ones(len(v)) if weights is None or agg in ("mean", "perplexity") else np.asarray(weights, dtype=float)
+    return float(_finish(agg, np.asarray(v.sum() / w.sum())))
+
+
 def z_score(confidence: float) -> float:
     """The normal quantile of a two-sided interval at `confidence`."""
     return NormalDist().inv_cdf(1 - (1 - confidence) / 2)
