@@ -70,8 +70,8 @@ def reproduce(
     = Path("reproduce"),
     compare: Annotated[bool, typer.Option(help="set the samples the commands wrote under --out beside the stored"
                                                 " ones, item for item")] = False,
-    warehouse: Annotated[Optional[str], typer.Option("--warehouse", "-w", help="the warehouse (env QUANTGATE_WAREHOUSE)")]
-    = None,
+    warehouse: Annotated[Optional[str], typer.Option("--warehouse", "-w",
+                                                     help="the warehouse (env QUANTGATE_WAREHOUSE)")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="table, csv, json or markdown")] = "table",
 ) -> None:
     """Print the lm_eval command lines that reproduce a run's stored quality scores item for item (base first);
