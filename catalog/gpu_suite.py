@@ -37,6 +37,26 @@ class SuiteStep(Strict):
     scenarios: tuple[str, ...] = Field(min_length=1)
     timeout_s: float = Field(default=300, gt=0)
 
+    @property
+    def engine_session(self) -> bool:
+        """Whether the step loads an engine once for its scenarios (not a bench or a server, one per scenario)."""
+        return self.engine in ("transformers", "vllm")
+
+    @property
+    def engine_started(self) -> str:
+        """The engine the step starts, which must be available where it runs: the bench's and the server's is vLLM."""
+        return "transformers" if self.engine == "transformers" else "vllm"
+
+    @property
+    def rows_engine(self) -> str:
+        """The engine its rows name: a server's rows are vLLM's serving rows, as in evaluate-model's."""
+        return "vllm" if self.engine == "vllm-serve" else self.engine
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether it runs on the GPU whatever its scenarios say: `vllm bench` and `vllm serve` do."""
+        return not self.engine_session
+
 
 class GpuSuiteSpec(Strict):
     """catalog/gpu.yaml: dummy-weight shapes and builds, scenarios, and the steps in priority order."""

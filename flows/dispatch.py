@@ -25,7 +25,7 @@ from quantgate.catalog.scenarios import ScenarioSpec
 from quantgate.catalog.settings import settings
 from quantgate.tasks.runtime import launch
 from quantgate.tasks.steps.benchmark import engine_sessions
-from quantgate.tasks.steps.measure import Measured, backend_name, measure_task
+from quantgate.tasks.steps.measure import Measured, backend_of, measure_task
 from quantgate.tasks.steps.measure import measure as measure_speed
 from quantgate.warehouse import statements
 
@@ -97,7 +97,7 @@ def speed_jobs(variant: VariantArtifact, scenarios: Sequence[tuple[str, Scenario
     for engine in dict.fromkeys(e for _, s in scenarios for e in runs_on(s)):
         mine = [(name, s) for name, s in scenarios if engine in runs_on(s)]
         # `vllm serve` and `vllm bench` start their own engine for each scenario.
-        alone = [item for item in mine if backend_name(engine, [item]) != "session"]
+        alone = [item for item in mine if not backend_of(engine, [item]).session]
         jobs += [SpeedJob(variant, engine, (item,)) for item in alone]
         shared = [item for item in mine if item not in alone]
         pair = None if base else base_path
@@ -119,7 +119,7 @@ def measure(model_path: str, engine: str, scenarios: Sequence[tuple[str, Scenari
                 for r, loads in run(model_path, engine, scenarios, work_dir=log_dir, pair_with=pair_with)]
     results = [r for r, _ in measured]
     # An engine session's rows share its starts; a bench or a server is a start of its own per row.
-    starts = (_starts(results) if backend_name(engine, scenarios) == "session"
+    starts = (_starts(results) if backend_of(engine, scenarios).session
               else sum(_starts([r]) for r in results))
     return JobResult(measured, starts)
 

@@ -244,7 +244,7 @@ def check_steps(spec: GpuSuiteSpec) -> None:
     """Every engine step's scenarios must form one engine session (tasks/steps/benchmark.engine_sessions), since
     they share one start."""
     for i, step in enumerate(spec.steps):
-        if step.engine not in ("transformers", "vllm"):
+        if not step.engine_session:
             continue
         sessions = engine_sessions("", [(name, spec.scenarios[name]) for name in step.scenarios])
         if len(sessions) > 1:
@@ -252,12 +252,6 @@ def check_steps(spec: GpuSuiteSpec) -> None:
                 f"steps.{i}: scenarios {sessions[0][0][0]!r} and {sessions[1][0][0]!r} need different engine options;"
                 " put them in separate steps"
             )
-
-
-def _step_engines(step: SuiteStep) -> tuple[str, str]:
-    """(engine that must be available, engine name on the result rows)."""
-    available = "transformers" if step.engine == "transformers" else "vllm"
-    return available, {"vllm-serve": "vllm"}.get(step.engine, step.engine)
 
 
 @task(name="gpu-step", cache_policy=NO_CACHE, task_run_name="{label}")
@@ -297,9 +291,8 @@ def _summarise(results: list[SpeedResult]) -> StepOutcome:
 
 
 def _unavailable(step: SuiteStep, scenarios: list[tuple[str, ScenarioSpec]]) -> str | None:
-    engine, _ = _step_engines(step)
-    device = "cuda" if step.engine in ("vllm-bench", "vllm-serve") else resolve_device(scenarios[0][1].device)
-    return engines.availability(engine, device)
+    device = "cuda" if step.on_gpu else resolve_device(scenarios[0][1].device)
+    return engines.availability(step.engine_started, device)
 
 
 def select_steps(spec: GpuSuiteSpec, parts: list[str] | None) -> list[tuple[int, SuiteStep]]:
@@ -353,8 +346,7 @@ def _suite(warehouse: str | None, workdir: str | None, shape: str, suite: str | 
         scenarios_of = partial(_dummy_scenarios, spec)
 
         def rows_for(step: SuiteStep, status: str, reason: str) -> list[SpeedResult]:
-            _, engine = _step_engines(step)
-            return [SpeedResult(engine, n, status, reason, s.model_dump(mode="json"))  # type: ignore[arg-type]
+            return [SpeedResult(step.rows_engine, n, status, reason, s.model_dump(mode="json"))  # type: ignore[arg-type]
                     for n, s in scenarios_of(step)]
 
         def skip(index: int, step: SuiteStep, reason: str) -> None:

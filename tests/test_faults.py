@@ -49,7 +49,7 @@ def test_vllm_out_of_memory_is_retried_with_less_memory_then_a_shorter_context(t
     counts as out of memory, what is recorded) with an engine that raises the real error types and messages.
     What it does not: vLLM itself on a GPU (no CUDA here) and the spawned-process path (isolate=True), whose
     child would not see this test's engine registration; both share the same loop."""
-    monkeypatch.setitem(engines.ENGINES, "vllm", f"{__name__}:OutOfMemoryUntilSmall")
+    monkeypatch.setitem(engines.ENGINES, "vllm", replace(engines.ENGINES["vllm"], path=f"{__name__}:OutOfMemoryUntilSmall"))
     monkeypatch.setattr(engines, "availability", lambda engine, device: None)
     OutOfMemoryUntilSmall.starts = []
     scenario = OfflineScenario(engines=["transformers", "vllm"], device="cpu", num_prompts=2, input_len=8,
@@ -77,7 +77,7 @@ def test_a_failure_that_is_not_out_of_memory_is_not_retried(tiny_model, monkeypa
             raise ValueError("unknown quantization method 'foo'")
 
     monkeypatch.setattr(sys.modules[__name__], "Broken", Broken, raising=False)
-    monkeypatch.setitem(engines.ENGINES, "vllm", f"{__name__}:Broken")
+    monkeypatch.setitem(engines.ENGINES, "vllm", replace(engines.ENGINES["vllm"], path=f"{__name__}:Broken"))
     monkeypatch.setattr(engines, "availability", lambda engine, device: None)
     scenario = OfflineScenario(engines=["transformers", "vllm"], device="cpu", num_prompts=2, input_len=8,
                             output_len=4, batch_size=2, repetitions=1, warmup=0, max_model_len=4096)

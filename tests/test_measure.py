@@ -40,8 +40,8 @@ def test_every_registered_backend_imports_with_the_backends_signature():
     # The first parameter is what is measured, passed by position: a checkpoint's path, or an endpoint's Target.
     wanted = list(inspect.signature(Backend.__call__).parameters)[2:]
     assert set(BACKENDS) == {"session", "vllm-bench", "vllm-serve", "endpoint"}
-    for name, path in BACKENDS.items():
-        module, _, function = path.partition(":")
+    for name, kind in BACKENDS.items():
+        module, _, function = kind.path.partition(":")
         backend = getattr(importlib.import_module(module), function)
         assert list(inspect.signature(backend).parameters)[1:] == wanted, name
 

@@ -11,7 +11,6 @@ the flow. Scenarios that need the same engine options may share one process (one
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import os
 import statistics
 import time
@@ -31,9 +30,10 @@ from quantgate.tasks.adapters.speed.options import (
     engine_fit, engine_options, resolve_device, sized_kv_cache, start_memory_bytes, wants_random_weights,
 )
 from quantgate.tasks.adapters.speed.prompts import Prompts, make_prompt_sets
-from quantgate.tasks.adapters.speed.retry import Failure, fallback_options, retry_on_oom
+from quantgate.tasks.adapters.speed.retry import Failure, Retried, fallback_options, retry_on_oom
 from quantgate.tasks.adapters.speed.vllm_cli import compile_cache_from_log
 from quantgate.tasks.runtime import faults, launch
+from quantgate.tasks.runtime.environment import library_versions
 from quantgate.tasks.runtime.telemetry import PassClocks, Telemetry, device_name, measure_bandwidth_gbps
 from quantgate.tasks.adapters.roofline import (
     RooflineError, checkpoint_tensors, decode_weight_bytes, dequantized_tensors, kv_bytes_per_token, roofline_fraction,
@@ -108,6 +108,47 @@ def run_scenarios(
     """
     if not scenarios:
         return []
+    device, opts = _session_options(model_path, scenarios, options)
+    if (refused := _refusal(model_path, engine_name, device)) is not None:
+        return _rows(engine_name, scenarios, *refused, opts)
+    what = engines.kind(engine_name)
+    if what.decompresses_quantized and is_compressed_tensors(model_path):
+        if decompressed := [item for item in scenarios if not item[1].transformers_decompressed]:
+            asked = [item for item in scenarios if item not in decompressed]
+            return _rows(engine_name, decompressed, "skipped", DECOMPRESSED, opts) + run_scenarios(
+                model_path, engine_name, asked, isolate=isolate, timeout_s=timeout_s, options=options,
+                log_dir=log_dir, pair_with=pair_with)
+    items = [s for _, s in scenarios]
+    if what.reserves_gpu_share:
+        opts = sized_kv_cache(opts, model_path, items)
+    pair = _pairing(pair_with, engine_name, device, scenarios, options)
+    need, too_big, unpaired = engine_fit(opts, model_path, engine_name, pair)
+    if too_big:
+        return _rows(engine_name, scenarios, "failed", too_big, opts)  # before it starts
+    pair = None if unpaired else pair
+    start = _EngineStart(model_path, engine_name, items, pair, need, isolate, timeout_s,
+                         Path(log_dir) if log_dir and isolate else None)
+    needed_len = max(s.input_len + s.output_len for s in items)
+    tried = retry_on_oom(fallback_options(opts, engine_name, needed_len), start.deadline, start)
+    details = _start_details(tried, what.logs_compile_cache and start.log_dir is not None, start.log_dir,
+                             engine_name, isolate)
+    if tried.value is None:
+        return _rows(engine_name, scenarios, "failed", tried.error, tried.used, details)
+    alone = unpaired or _measured_alone(pair_with, pair, tried.attempts, isolate)
+    out = [_row(model_path, engine_name, name, scenario, tried.used, one, details, alone)
+           for (name, scenario), one in zip(scenarios, tried.value, strict=True)]
+    faults.point("benchmark")
+    return out
+
+
+# Why Transformers does not time a compressed-tensors checkpoint unless the scenario asks.
+DECOMPRESSED = ("Transformers decompresses this compressed-tensors checkpoint to 16 bits as it loads it: it would"
+                " time the base's kernels again (transformers_decompressed: true in the scenario measures it)")
+
+
+def _session_options(model_path: str, scenarios: Sequence[tuple[str, ScenarioSpec]],
+                     options: Mapping[str, Any] | None) -> tuple[str, EngineOptions]:
+    """The device and engine options the scenarios share (one engine start), or BenchmarkError."""
     if serving := [name for name, s in scenarios if s.kind == "serving"]:
         raise BenchmarkError(f"{serving[0]!r} is a serving scenario: run it with tasks.speed.serving.serve_scenario")
     first_name, first = scenarios[0]
@@ -120,90 +161,92 @@ def run_scenarios(
             raise BenchmarkError(
                 f"scenarios {first_name!r} and {name!r} need different engine options; run them in separate processes"
             )
+    return device, opts
 
-    def results(status: Literal["ok", "skipped", "failed"], reason: str | None, used: EngineOptions,
-                details: dict[str, Any] | None = None) -> list[SpeedResult]:
-        return [
-            SpeedResult(engine_name, name, status, reason, _config(scenario, used), details=dict(details or {}))
-            for name, scenario in scenarios
-        ]
 
+def _refusal(model_path: str, engine_name: str, device: str) -> tuple[Literal["skipped", "failed"], str] | None:
+    """Why the engine does not start here at all: not available on this device, no model folder, a load-time
+    variant it cannot load."""
     if (why := engines.availability(engine_name, device)) is not None:
-        return results("skipped", why, opts)
+        return "skipped", why
     if not Path(model_path).is_dir():
-        return results("failed", f"no model folder at {model_path}", opts)
+        return "failed", f"no model folder at {model_path}"
     if (why := _load_time_problem(model_path, engine_name, device)) is not None:
-        return results("skipped", why, opts)
-    if engine_name == "transformers" and is_compressed_tensors(model_path):
-        decompressed = [item for item in scenarios if not item[1].transformers_decompressed]
-        if decompressed:
-            why = ("Transformers decompresses this compressed-tensors checkpoint to 16 bits as it loads it: it would"
-                   " time the base's kernels again (transformers_decompressed: true in the scenario measures it)")
-            skipped = [SpeedResult(engine_name, name, "skipped", why, _config(s, opts)) for name, s in decompressed]
-            asked = [item for item in scenarios if item not in decompressed]
-            return skipped + run_scenarios(model_path, engine_name, asked, isolate=isolate, timeout_s=timeout_s,
-                                           options=options, log_dir=log_dir, pair_with=pair_with)
+        return "skipped", why
+    return None
 
-    needed_len = max(s.input_len + s.output_len for _, s in scenarios)
-    items = [s for _, s in scenarios]
-    if engine_name == "vllm":
-        opts = sized_kv_cache(opts, model_path, items)
-    pair = _pairing(pair_with, engine_name, device, scenarios, options)
-    need, too_big, unpaired = engine_fit(opts, model_path, engine_name, pair)
-    if too_big:
-        return results("failed", too_big, opts)  # before it starts
-    pair = None if unpaired else pair
-    deadline = time.monotonic() + timeout_s
 
-    def start(used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
-        log = Path(log_dir) / f"{engine_name}-{tried}.log" if log_dir and isolate else None
-        if isolate:
-            # A retry after running out of memory starts with the GPU alone: nothing else is loading then, and it
-            # is not admitted by memory.
-            paired = pair if not tried else None
-            status, payload = launch.in_process_group(
-                _measure_group, (model_path, engine_name, items, used, paired),
-                deadline - time.monotonic() if tried else timeout_s, log, name=f"quantgate-bench-{engine_name}",
-                start_alone=tried > 0,
-                memory_bytes=0 if tried else need + (start_memory_bytes(pair[1], pair[0], engine_name) if pair else 0),
-            )
-        else:
+def _rows(engine_name: str, scenarios: Sequence[tuple[str, ScenarioSpec]], status: Literal["ok", "skipped", "failed"],
+          reason: str | None, used: EngineOptions, details: dict[str, Any] | None = None) -> list[SpeedResult]:
+    """One row per scenario, all with the same status and reason."""
+    return [SpeedResult(engine_name, name, status, reason, _config(scenario, used), details=dict(details or {}))
+            for name, scenario in scenarios]
+
+
+@dataclasses.dataclass
+class _EngineStart:
+    """One start of the session's engine, as the out-of-memory retry calls it (retry_on_oom): in a process group of
+    its own (isolated), which shares the GPU until it measures (tasks/runtime/launch.in_process_group); a retry
+    starts with the GPU alone, nothing else loading beside it, and is not admitted by memory."""
+
+    model_path: str
+    engine_name: str
+    items: list[ScenarioSpec]
+    pair: tuple[str, EngineOptions] | None
+    need: int
+    isolate: bool
+    timeout_s: float
+    log_dir: Path | None
+    deadline: float = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def __call__(self, used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
+        log = self.log_dir / f"{self.engine_name}-{tried}.log" if self.log_dir else None
+        if not self.isolate:
             try:
-                status, payload = "ok", _measure_group(model_path, engine_name, items, used, pair)
+                return _measure_group(self.model_path, self.engine_name, self.items, used, self.pair)
             except Exception as e:
-                status, payload = "failed", one_line(e)
+                return Failure(one_line(e), None)
+        paired = self.pair if not tried else None
+        memory = self.need + (start_memory_bytes(self.pair[1], self.pair[0], self.engine_name) if self.pair else 0)
+        status, payload = launch.in_process_group(
+            _measure_group, (self.model_path, self.engine_name, self.items, used, paired),
+            self.deadline - time.monotonic() if tried else self.timeout_s, log,
+            name=f"quantgate-bench-{self.engine_name}", start_alone=tried > 0, memory_bytes=0 if tried else memory,
+        )
         return payload if status == "ok" else Failure(payload, log)
 
-    tried = retry_on_oom(fallback_options(opts, engine_name, needed_len), deadline, start)
-    used, attempts, payload = tried.used, tried.attempts, tried.value
-    # Every row of the group shares these starts: the one load, one more per out-of-memory retry, and the base's
-    # where it loaded beside the variant.
+
+def _start_details(tried: Retried[list[tuple[str, Any]]], compile_log: bool, log_dir: Path | None, engine_name: str,
+                   isolate: bool) -> dict[str, Any]:
+    """What every row of the session shares of its starts: the one load, one more per out-of-memory retry, and the
+    base's where it loaded beside the variant; the wait for memory, the failed tries, the compile cache used."""
     base_loaded = any(status == "ok" and "paired_base" in measured.get("details", {})
-                      for status, measured in payload or [])
+                      for status, measured in tried.value or [])
     details: dict[str, Any] = {"engine_starts": tried.engine_starts + base_loaded}
     if isolate and (waited := launch.memory_wait_s()):
         details["memory_wait_s"] = round(waited, 3)
-    if attempts:
-        details["attempts"] = attempts
-    if engine_name == "vllm" and log_dir and isolate:
-        if compiled := compile_cache_from_log(Path(log_dir) / f"{engine_name}-{len(attempts)}.log"):
+    if tried.attempts:
+        details["attempts"] = tried.attempts
+    if compile_log and log_dir is not None:
+        if compiled := compile_cache_from_log(log_dir / f"{engine_name}-{len(tried.attempts)}.log"):
             details["compile_cache"] = compiled
-    if payload is None:
-        return results("failed", tried.error, used, details)
+    return details
 
-    alone = unpaired or _measured_alone(pair_with, pair, attempts, isolate)
-    out = []
-    for (name, scenario), (one_status, measured) in zip(scenarios, payload, strict=True):
-        config = _config(scenario, used)
-        if one_status != "ok":
-            out.append(SpeedResult(engine_name, name, "failed", measured, config, details=dict(details)))
-            continue
-        measured = {**measured, "details": {**details, **measured.get("details", {})}}
-        if alone and getattr(scenario, "paired", False) and not {"paired_base", "unpaired"} & measured["details"].keys():
-            measured["details"]["unpaired"] = alone
-        out.append(SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured)))
-    faults.point("benchmark")
-    return out
+
+def _row(model_path: str, engine_name: str, name: str, scenario: ScenarioSpec, used: EngineOptions,
+         one: tuple[str, Any], details: dict[str, Any], alone: str | None) -> SpeedResult:
+    """A scenario's row from what its engine process measured: failed with the reason, or its figures."""
+    status, measured = one
+    config = _config(scenario, used)
+    if status != "ok":
+        return SpeedResult(engine_name, name, "failed", measured, config, details=dict(details))
+    measured = {**measured, "details": {**details, **measured.get("details", {})}}
+    if alone and getattr(scenario, "paired", False) and not {"paired_base", "unpaired"} & measured["details"].keys():
+        measured["details"]["unpaired"] = alone
+    return SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured))
 
 
 def _pairing(pair_with: str | None, engine_name: str, device: str, scenarios: Sequence[tuple[str, ScenarioSpec]],
@@ -214,7 +257,7 @@ def _pairing(pair_with: str | None, engine_name: str, device: str, scenarios: Se
     if not pair_with or not paired or not Path(pair_with).is_dir():
         return None
     opts = engine_options(paired[0], device, options, dummy_weights=wants_random_weights(pair_with, paired[0]))
-    if engine_name == "vllm":
+    if engines.kind(engine_name).reserves_gpu_share:
         opts = sized_kv_cache(opts, pair_with, [s for _, s in scenarios])
     return pair_with, opts
 
@@ -237,7 +280,7 @@ def _load_time_problem(model_path: str, engine_name: str, device: str) -> str | 
 
     if loadtime.descriptor(model_path) is None:
         return None
-    if engine_name == "vllm":
+    if engines.kind(engine_name).bitsandbytes_loader == "engine":
         return loadtime.vllm_problem(model_path)
     return loadtime.unavailable(device)
 
@@ -261,7 +304,7 @@ def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: d
         out["details"] = {**out.get("details", {}), "roofline": "not computed for a load-time (bitsandbytes) variant"}
     elif out.get("decode_tokens_per_s") and out.get("bandwidth_gbps"):
         # Transformers decompresses a quantized checkpoint on load and then reads 16-bit weights.
-        dequantized = engine_name == "transformers" and bool(config and config.get("quantization_config"))
+        dequantized = engines.kind(engine_name).decompresses_quantized and bool(config and config.get("quantization_config"))
         try:
             tensors = dequantized_tensors(model_path) if dequantized else checkpoint_tensors(model_path)
             weight_bytes = decode_weight_bytes(tensors)
@@ -485,13 +528,9 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _versions(engine_name: str, device: str) -> dict[str, str]:
-    names = ["torch", "transformers", "compressed-tensors"] + (["vllm"] if engine_name == "vllm" else [])
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    """The libraries an engine's measurement ran on (its own package too), and CUDA's version on a GPU."""
+    package = engines.kind(engine_name).package
+    versions = library_versions(["torch", "transformers", "compressed-tensors"] + ([package] if package else []))
     if device == "cuda":
         import torch
 

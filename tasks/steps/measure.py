@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,15 +40,25 @@ class Backend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class BackendKind:
+    """A backend's function ("module:function", imported on use) and what it does, which its callers ask instead
+    of its name: whether it groups several scenarios into one engine start (a session; otherwise each scenario is
+    a start of its own)."""
+
+    path: str
+    session: bool = False
+
+
 # An engine session: Transformers or vLLM loaded once in a process of its own for offline and latency scenarios
 # (tasks/steps/benchmark.py); `vllm bench throughput`, the harness cross-check; `vllm serve` driven by a serving
 # scenario's loads, once per point of its sweep; any OpenAI-compatible server reached by URL, driven by the same
 # serving scenarios.
-BACKENDS: dict[str, str] = {
-    "session": "quantgate.tasks.steps.benchmark:measure_session",
-    "vllm-bench": "quantgate.tasks.adapters.speed.bench:measure_bench",
-    "vllm-serve": "quantgate.tasks.adapters.speed.sweep:measure_serving",
-    "endpoint": "quantgate.tasks.adapters.endpoint:measure_endpoint",
+BACKENDS: dict[str, BackendKind] = {
+    "session": BackendKind("quantgate.tasks.steps.benchmark:measure_session", session=True),
+    "vllm-bench": BackendKind("quantgate.tasks.adapters.speed.bench:measure_bench"),
+    "vllm-serve": BackendKind("quantgate.tasks.adapters.speed.sweep:measure_serving"),
+    "endpoint": BackendKind("quantgate.tasks.adapters.endpoint:measure_endpoint"),
 }
 
 
@@ -68,12 +79,17 @@ def backend_name(engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]]) -> 
     return "session"
 
 
+def backend_of(engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]]) -> BackendKind:
+    """What the backend of a job of `engine` on `scenarios` does (BackendKind)."""
+    return BACKENDS[backend_name(engine, scenarios)]
+
+
 def measure(source: str | Target, engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]], *,
             work_dir: str | Path, timeout_s: float | None = None, pair_with: str | None = None,
             on_point: OnPoint | None = None) -> list[Measured]:
     """`scenarios` on `source` (a checkpoint folder, or an endpoint's Target) with `engine`, through its backend
     (`Backend` says how)."""
-    module, _, name = BACKENDS[backend_name(engine, scenarios)].partition(":")
+    module, _, name = backend_of(engine, scenarios).path.partition(":")
     backend: Backend = getattr(importlib.import_module(module), name)
     return backend(source, engine, scenarios, work_dir=Path(work_dir), timeout_s=timeout_s, pair_with=pair_with,
                    on_point=on_point)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from quantgate.catalog.scenarios import ScenarioSpec
+from quantgate.tasks.adapters import engines
 from quantgate.tasks.adapters.engines import EngineOptions, cuda_available
 from quantgate.tasks.adapters import model_memory
 from quantgate.tasks.adapters.speed.checkpoint import text_config
@@ -102,7 +103,8 @@ def start_memory_bytes(opts: EngineOptions, model_path: str | Path, engine_name:
         weights = 0  # no estimate: vLLM's own check (below) still holds
     overhead = model_memory.engine_overhead_bytes(text_config(model_path) or {})
     need = weights + (opts.kv_cache_memory_bytes or 0) + overhead
-    if engine_name == "vllm" and (checked := vllm_start_check_bytes(opts.gpu_memory_utilization)) is not None:
+    checked = vllm_start_check_bytes(opts.gpu_memory_utilization) if engines.kind(engine_name).reserves_gpu_share else None
+    if checked is not None:
         need = max(need, checked)
     return need
 

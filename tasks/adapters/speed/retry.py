@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from quantgate.tasks.adapters import engines
 from quantgate.tasks.adapters.engines import EngineOptions
 from quantgate.tasks.adapters.speed.vllm_cli import looks_like_oom, looks_like_profiling_race, read_log, root_cause
 
@@ -18,11 +19,11 @@ T = TypeVar("T")
 
 
 def fallback_options(options: EngineOptions, engine_name: str, needed_len: int) -> list[EngineOptions]:
-    """The options to try in order when an engine start runs out of GPU memory: as asked, then (vLLM)
-    a smaller gpu_memory_utilization, then also the smallest max_model_len the scenarios need; with a sized KV
+    """The options to try in order when an engine start runs out of GPU memory: as asked, then (an engine that
+    reserves a share of the GPU: vLLM) a smaller gpu_memory_utilization, then also the smallest max_model_len the scenarios need; with a sized KV
     cache, the same options once more."""
     tries = [options]
-    if engine_name != "vllm":
+    if not engines.kind(engine_name).reserves_gpu_share:
         return tries
     if options.kv_cache_memory_bytes:
         # A sized KV cache asks for what it needs: the retry is the same start, made with the GPU alone
