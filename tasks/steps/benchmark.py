@@ -130,8 +130,7 @@ def run_scenarios(
                          Path(log_dir) if log_dir and isolate else None)
     needed_len = max(s.input_len + s.output_len for s in items)
     tried = retry_on_oom(fallback_options(opts, engine_name, needed_len), start.deadline, start)
-    details = _start_details(tried, what.logs_compile_cache and start.log_dir is not None, start.log_dir,
-                             engine_name, isolate)
+    details = _start_details(tried, what.logs_compile_cache, start.log_dir, engine_name, isolate)
     if tried.value is None:
         return _rows(engine_name, scenarios, "failed", tried.error, tried.used, details)
     alone = unpaired or _measured_alone(pair_with, pair, tried.attempts, isolate)
