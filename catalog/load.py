@@ -15,7 +15,7 @@ from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.paths import DEFAULT_CATALOG, default_kl_text
 from quantgate.catalog.policy import Policy
 from quantgate.catalog.scenarios import ScenarioSpec
-from quantgate.catalog.sources import GgufSource, LocalSource, ShapeSource, shape_config
+from quantgate.catalog.sources import GgufSource, LocalSource, ShapeSource, shape_config, shape_tokenizer_files
 from quantgate.catalog.spec import Strict, content_hash, read_mapping, validation_line
 from quantgate.catalog.suites import SuiteSpec
 from quantgate.catalog.variants import CalibrationSpec, ChatCalibration, TextCalibration, VariantSpec
@@ -160,6 +160,7 @@ def load_catalog(path: str | Path = DEFAULT_CATALOG) -> Catalog:
         if isinstance(m.source, ShapeSource):  # a config named by path is read once its path is resolved
             try:
                 shape_config(m.source)
+                shape_tokenizer_files(m.source)
             except CatalogError as e:
                 raise CatalogError(f"{path}: models.{i}.source: {e}") from None
     return catalog
@@ -181,8 +182,8 @@ def _resolve_paths(catalog: Catalog, base: Path) -> Catalog:
             src = src.model_copy(update={"path": resolve(src.path)})
         elif isinstance(src, GgufSource) and src.path:
             src = src.model_copy(update={"path": resolve(src.path)})
-        elif isinstance(src, ShapeSource) and src.config:
-            src = src.model_copy(update={"config": resolve(src.config)})
+        elif isinstance(src, ShapeSource):
+            src = src.model_copy(update={"config": resolve(src.config), "tokenizer": resolve(src.tokenizer)})
         models.append(m.model_copy(update={"source": src, "calibration": resolve_calibration(m.calibration)}))
     # The named sets too: variants are built with them by name (Catalog.calibration_for).
     calibrations = {name: resolve_calibration(c) for name, c in catalog.calibrations.items()}

@@ -11,7 +11,7 @@ from quantgate.catalog.errors import CatalogError
 from quantgate.catalog.load import Catalog
 from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.scenarios import EngineName
-from quantgate.catalog.sources import HubSource, LocalSource, ShapeSource, shape_config
+from quantgate.catalog.sources import HubSource, LocalSource, ShapeSource, shape_config, shape_tokenizer_files
 
 # `shape:NAME` (a published shape) or `shape:PATH` (a config.json, or a folder holding one): a model's shape with
 # random weights. A colon is in no hub id and ends no catalog id, so the prefix cannot shadow either.
@@ -19,12 +19,18 @@ SHAPE_PREFIX = "shape:"
 
 
 def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, template: str | None = None,
-                scenarios: list[str] | None = None, engines: list[str] | None = None) -> ModelSpec:
+                scenarios: list[str] | None = None, engines: list[str] | None = None,
+                tokenizer: str | None = None) -> ModelSpec:
     """A model named on the command line: a catalog id, a local folder, a hub id (org/name[@revision]) or a
     model's shape with random weights (shape:NAME or shape:path/to/config.json), whose id is shape/NAME.
 
     `variants` and `scenarios` replace the catalog's lists for this run; `engines` is only checked here
-    (the flow keeps each scenario's engines that it names)."""
+    (the flow keeps each scenario's engines that it names). `template` is the catalog model whose variants,
+    suite, calibration, scenarios and policy a model outside the catalog gets (default: the catalog's first);
+    `tokenizer` is a shape's tokenizer folder (ShapeSource.tokenizer)."""
+    if tokenizer is not None and not ref.startswith(SHAPE_PREFIX):
+        raise CatalogError(f"a tokenizer folder is for a model's shape (shape:NAME), not for {ref!r},"
+                           " which has a tokenizer of its own")
     for name in scenarios or ():
         if name not in catalog.scenarios:
             raise CatalogError(f"unknown scenario {name!r}: the catalog defines {sorted(catalog.scenarios)}")
@@ -41,7 +47,7 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
         source: HubSource | LocalSource | ShapeSource = LocalSource(path=str(path))
         model_id = path.name
     elif ref.startswith(SHAPE_PREFIX):
-        source = _shape_source(ref.removeprefix(SHAPE_PREFIX))
+        source = _shape_source(ref.removeprefix(SHAPE_PREFIX), tokenizer)
         model_id = f"shape/{source.name}"
     elif ref.count("/") == 1 and not ref.startswith((".", "/")):
         repo, _, rev = ref.partition("@")
@@ -60,17 +66,19 @@ def adhoc_model(catalog: Catalog, ref: str, variants: list[str] | None = None, t
     return base.model_copy(update={"id": model_id, "source": source, "variants": chosen, "published": (), **override})
 
 
-def _shape_source(what: str) -> ShapeSource:
+def _shape_source(what: str, tokenizer: str | None) -> ShapeSource:
     """A published shape's name, else a path to a config.json (or its folder), checked as a catalog's would be."""
+    folder = str(Path(tokenizer).expanduser().resolve()) if tokenizer else None
     if Path(what).expanduser().exists():
-        source = ShapeSource(config=str(Path(what).expanduser().resolve()))
+        source = ShapeSource(config=str(Path(what).expanduser().resolve()), tokenizer=folder)
     else:
         try:
-            source = ShapeSource(shape=what)
+            source = ShapeSource(shape=what, tokenizer=folder)
         except ValidationError as e:
             why = e.errors()[0]["msg"].removeprefix("Value error, ")
             raise CatalogError(f"{SHAPE_PREFIX}{what}: {why} (or a path to a config.json)") from None
     shape_config(source)
+    shape_tokenizer_files(source)
     return source
 
 

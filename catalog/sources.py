@@ -126,11 +126,14 @@ class ShapeSource(Strict):
     """A model's shape, its weights not at hand: a published config by name (`shape`, catalog/shapes.py) or any
     local config.json (`config`: the file, or a folder holding it). The download step writes that shape with
     random weights (a fixed seed), so a run measures what a verdict on the model costs (time, GPU memory, disk)
-    before its weights are fetched; its quality gates measure nothing and say so."""
+    before its weights are fetched; its quality gates measure nothing and say so. `tokenizer` is a local model
+    folder whose tokenizer (and chat template) the checkpoint carries instead of a synthetic byte-level one: the
+    family's, so that prompts are as many tokens as the model's own and chat suites and calibration render."""
 
     kind: Literal["shape"] = "shape"
     shape: str | None = None
     config: str | None = None
+    tokenizer: str | None = None
 
     @model_validator(mode="after")
     def _one_shape(self) -> ShapeSource:
@@ -167,6 +170,24 @@ def shape_config(src: ShapeSource) -> dict:
     if not isinstance(config.get("vocab_size"), int):
         raise CatalogError(f"shape config {path}: not a model config (no integer 'vocab_size')")
     return config
+
+
+# What a model folder's tokenizer is made of, as transformers saves one (fast and slow files, chat template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def shape_tokenizer_files(src: ShapeSource) -> list[Path]:
+    """The tokenizer files of the folder `src.tokenizer` names (none when it names none): a folder that is not
+    there, or holds no tokenizer.json or tokenizer_config.json, is refused in one line."""
+    if src.tokenizer is None:
+        return []
+    folder = Path(src.tokenizer).expanduser()
+    files = sorted(p for p in (folder / name for name in TOKENIZER_FILES) if p.is_file())
+    if not any(p.name in ("tokenizer.json", "tokenizer_config.json") for p in files):
+        raise CatalogError(f"shape tokenizer {folder}: no tokenizer.json or tokenizer_config.json there"
+                           " (a model folder whose tokenizer the shape should carry)")
+    return files
 
 
 def shape_generation_config(src: ShapeSource) -> dict | None:

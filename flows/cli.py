@@ -47,6 +47,10 @@ WorkdirOpt = Annotated[
     Optional[Path], typer.Option("--workdir", help="where checkpoints are kept (env QUANTGATE_HOME; default .quantgate)")
 ]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="table, csv, json or markdown")]
+TemplateOpt = Annotated[Optional[str], typer.Option(
+    help="catalog model whose variants, suite, calibration, scenarios and policy a model outside the catalog gets (default: the catalog's first)")]
+TokenizerOpt = Annotated[Optional[Path], typer.Option(
+    help="for a shape: a model folder whose tokenizer (and chat template) its random-weights checkpoint carries, e.g. a smaller model of the family")]
 FORMATS = ("table", "csv", "json", "markdown")
 # What the end of a run and `quantgate checks` fit in: an 80-120 column terminal keeps every verdict on screen.
 TABLE_WIDTH = 100
@@ -70,6 +74,8 @@ def run(
     engines: Annotated[Optional[str], typer.Option(help="comma-separated engines to benchmark (transformers,vllm)")] = None,
     remeasure: Annotated[bool, typer.Option(help="measure speed anew even where an earlier run measured the same")] = False,
     gpus: Annotated[Optional[str], typer.Option(help="comma-separated GPU ids as nvidia-smi numbers them: benchmarks of different checkpoints side by side, one per GPU (default: what CUDA_VISIBLE_DEVICES shows)")] = None,
+    template: TemplateOpt = None,
+    tokenizer: TokenizerOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress and no log path: results and errors only")] = False,
     fmt: FormatOpt = "table",
 ) -> None:
@@ -82,7 +88,8 @@ def run(
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
     picked = _names(scenarios)
     kept = _names(engines)
-    adhoc_model(cat, model, chosen, scenarios=picked, engines=kept)  # bad input fails here, in one line
+    # Bad input fails here, in one line.
+    adhoc_model(cat, model, chosen, template, scenarios=picked, engines=kept, tokenizer=_folder(tokenizer))
     with sessions.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
         pass
     with live.run_view(live.work_dir(str(workdir) if workdir else None), model, quiet=quiet):
@@ -93,7 +100,7 @@ def run(
         card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
                               warehouse=str(warehouse) if warehouse else None, variants=chosen,
                               workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
-                              remeasure=remeasure, gpus=gpus)
+                              remeasure=remeasure, gpus=gpus, template=template, tokenizer=_folder(tokenizer))
     verdicts = [verdict_row(r) for r in card]
     if fmt != "table":
         _print_frame(verdicts, fmt)
@@ -146,6 +153,7 @@ def pull(
     model: Annotated[str, typer.Argument(help="catalog id, local model folder, hub id org/name[@revision], or a model's shape with random weights shape:NAME|shape:path/to/config.json")],
     catalog: CatalogOpt = None,
     workdir: WorkdirOpt = None,
+    tokenizer: TokenizerOpt = None,
 ) -> None:
     """Download a model into the work dir without evaluating it (a GGUF is dequantized once); runs reuse it."""
     import time
@@ -154,8 +162,12 @@ def pull(
 
     started = time.monotonic()
     found = pull_model(model=model, catalog=str(catalog) if catalog else None,
-                       workdir=str(workdir) if workdir else None)
+                       workdir=str(workdir) if workdir else None, tokenizer=_folder(tokenizer))
     console.print(f"{found.model_id}: {found.path} ({found.size_bytes or 0:,} bytes) in {time.monotonic() - started:.1f} s")
+
+
+def _folder(path: Path | None) -> str | None:
+    return str(path.expanduser().resolve()) if path else None
 
 
 def _names(csv: str | None) -> list[str] | None:

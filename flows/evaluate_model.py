@@ -151,6 +151,7 @@ def evaluate_model(
     engines: list[str] | None = None,
     revision: str | None = None,
     template: str | None = None,
+    tokenizer: str | None = None,
     remeasure: bool = False,
     gpus: str | None = None,
     gpu_count: int = 1,
@@ -159,8 +160,8 @@ def evaluate_model(
 
     `variants` and `scenarios` replace the catalog's lists for this run; `engines` keeps only those
     engines. `revision` pins a hub model to a commit; `template` is the catalog model whose variants,
-    suite and scenarios a model outside the catalog gets. Speed rows an earlier run measured with the same
-    scenarios, libraries and device are reused unless `remeasure`.
+    suite and scenarios a model outside the catalog gets; `tokenizer` is a shape's tokenizer folder. Speed rows
+    an earlier run measured with the same scenarios, libraries and device are reused unless `remeasure`.
     `gpus` ("0,1", default: what CUDA_VISIBLE_DEVICES shows) are the lanes: one measurement per GPU at a time,
     different checkpoints side by side. A run of the deployment instead holds `gpu_count` GPUs of the host whose
     worker took it, and its model's lock, for all of its work (tasks/runtime/placement.py).
@@ -170,7 +171,8 @@ def evaluate_model(
     cat_path = Path(catalog) if catalog else DEFAULT_CATALOG
     try:
         cat = load_catalog(cat_path)
-        spec = with_revision(adhoc_model(cat, model, variants, template, scenarios=scenarios, engines=engines),
+        spec = with_revision(adhoc_model(cat, model, variants, template, scenarios=scenarios, engines=engines,
+                                         tokenizer=tokenizer),
                              revision)
     except CatalogError as e:
         return Failed(message=str(e))

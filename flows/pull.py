@@ -15,6 +15,7 @@ from quantgate.tasks.steps.caching import download_cached
 
 
 @flow(name="pull-model")
-def pull_model(model: str, catalog: str | None = None, workdir: str | None = None) -> ModelArtifact:
-    spec = adhoc_model(load_catalog(catalog or DEFAULT_CATALOG), model)
+def pull_model(model: str, catalog: str | None = None, workdir: str | None = None,
+               tokenizer: str | None = None) -> ModelArtifact:
+    spec = adhoc_model(load_catalog(catalog or DEFAULT_CATALOG), model, tokenizer=tokenizer)
     return download_cached(spec, work_dir(workdir))

@@ -24,8 +24,10 @@ from quantgate.catalog.shapes import SHAPES
 from quantgate.tasks.adapters.dummy_weights import layout
 from quantgate.tasks.steps.decide import decide
 from quantgate.tasks.steps.download import fetch_model
+from quantgate.tasks.steps.download_error import DownloadError
 from quantgate.warehouse import reads, sessions
 from tests.cli_runs import CATALOG_HEAD, run_cli, tiny_catalog
+from tests.shared_data import TINY_MODEL
 
 # 2 layers of hidden 128; a vocabulary of 320 holds the tokenizer's 256 byte symbols, its two special tokens (at
 # bos and eos) and 62 word tokens. The layers outweigh the embeddings (which builds keep in 16 bits), so a W8A16
@@ -124,6 +126,44 @@ def test_the_checkpoint_is_random_deterministic_and_written_once(tmp_path):
     assert again == first and weights.stat().st_mtime_ns == written  # reused, not written again
     assert elsewhere.sha == first.sha and (Path(elsewhere.path) / "model.safetensors").read_bytes() == weights.read_bytes()
     assert first.num_parameters == sum(math.prod(s) for s, _ in layout(TINY_SHAPE).values())
+
+
+# A larger model of the tiny Llama's family: its 512-token vocabulary, so that the family's tokenizer fits it.
+TINY_LLAMA_SHAPE = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 344,
+    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "bos_token_id": 1,
+    "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+
+
+def test_a_shape_carries_its_familys_tokenizer_when_given_one(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA_SHAPE))
+    cat = load_catalog(catalog_with(tmp_path, "{kind: shape, config: tiny-llama}"))
+    synthetic = fetch_model(adhoc_model(cat, f"shape:{folder}"), tmp_path / "work")
+    family = fetch_model(adhoc_model(cat, f"shape:{folder}", tokenizer=str(TINY_MODEL)), tmp_path / "work")
+    text = "Once upon a time, a little dog found a red ball."
+    ids = AutoTokenizer.from_pretrained(family.path)(text)["input_ids"]
+    assert ids == AutoTokenizer.from_pretrained(str(TINY_MODEL))(text)["input_ids"]
+    # Another checkpoint than the synthetic tokenizer's (which spells the text byte by byte), same weights' shape.
+    assert family.sha != synthetic.sha and family.num_parameters == synthetic.num_parameters
+    assert len(AutoTokenizer.from_pretrained(synthetic.path)(text)["input_ids"]) > len(ids)
+
+
+def test_a_tokenizer_that_does_not_fit_the_shape_is_one_line(tmp_path):
+    shape_config(tmp_path / "tiny-qwen2")
+    cat = load_catalog(catalog_with(tmp_path, "{kind: shape, config: tiny-qwen2}"))
+    with pytest.raises(DownloadError, match=r"has 513 tokens, more than the shape's vocab_size 320: not a "
+                                            r"tokenizer of this model's family$"):
+        fetch_model(adhoc_model(cat, f"shape:{tmp_path / 'tiny-qwen2'}", tokenizer=str(TINY_MODEL)), tmp_path / "w")
+    with pytest.raises(CatalogError, match=r"shape tokenizer .*/nowhere: no tokenizer\.json or tokenizer_config"):
+        adhoc_model(cat, "shape:qwen2.5-7b-instruct", tokenizer=str(tmp_path / "nowhere"))
+    with pytest.raises(CatalogError, match=r"is for a model's shape \(shape:NAME\), not for 'tiny-shape'"):
+        adhoc_model(cat, "tiny-shape", tokenizer=str(TINY_MODEL))
 
 
 def test_a_generation_config_beside_the_config_goes_with_it(tmp_path):

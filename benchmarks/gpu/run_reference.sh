@@ -7,6 +7,8 @@
 #
 #     bash benchmarks/gpu/run_reference.sh [quantgate run options, e.g. --gpus 0,1]
 #
+# QG_MODEL runs another model (default the reference), e.g. a shape: QG_MODEL=shape:qwen2.5-7b-instruct
+# QG_TOKENIZER=/path/to/a/family/model bash benchmarks/gpu/run_reference.sh --template qwen2.5-coder-1.5b-instruct.
 # QG_TIMEOUT_S (default 900) stops the run with SIGINT so that the export below still runs.
 # Writes to $OUT: run.md (wall time, stage times, verdicts), summary.md + summary.json (benchmarks/summarize.py
 # over the tables), log.txt, and reference_results.tar.gz (the tables as Parquet, the run's, engine and server logs).
@@ -25,17 +27,20 @@ export QUANTGATE_WHEELHOUSE="${QUANTGATE_WHEELHOUSE:-/root/qg-wheelhouse}"
 WH="$RESULTS/reference.ducklake"
 QG=(python3 -m quantgate.flows.cli)
 MODEL="${QG_MODEL:-qwen2.5-coder-1.5b-instruct}"
+# A shape (QG_MODEL=shape:NAME) takes its family's tokenizer from the folder QG_TOKENIZER names, in its pull and run.
+SHAPE_ARGS=()
+[ -n "${QG_TOKENIZER:-}" ] && SHAPE_ARGS=(--tokenizer "$QG_TOKENIZER")
 {
     echo "== $(date -u +%FT%TZ) quantgate pull $MODEL"
     pull_started=$(date +%s.%N)
-    "${QG[@]}" pull "$MODEL" --workdir "$WORK"
+    "${QG[@]}" pull "$MODEL" --workdir "$WORK" "${SHAPE_ARGS[@]}"
     echo "== pull exit code $? after $(python3 -c "print(f'{$(date +%s.%N) - $pull_started:.1f}')") s"
     echo "== $(date -u +%FT%TZ) quantgate run $MODEL $* on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 } > "$LOG" 2>&1
 pull_line=$(grep '^== pull exit code' "$LOG")
 started=$(date +%s.%N)
 {
-    timeout -s INT -k 90 "${QG_TIMEOUT_S:-900}" "${QG[@]}" run "$MODEL" --warehouse "$WH" --workdir "$WORK" "$@"
+    timeout -s INT -k 90 "${QG_TIMEOUT_S:-900}" "${QG[@]}" run "$MODEL" --warehouse "$WH" --workdir "$WORK" "${SHAPE_ARGS[@]}" "$@"
     echo "== exit code $? at $(date -u +%FT%TZ)"
 } >> "$LOG" 2>&1
 ended=$(date +%s.%N)
@@ -44,7 +49,7 @@ tail -n 40 "$LOG"
 
 sql() { "${QG[@]}" sql "$1" -w "$WH" -f markdown; }
 {
-    echo "# The reference run on the GPU machine"
+    echo "# $MODEL on the GPU machine"
     echo
     echo "\`bash benchmarks/gpu/run_reference.sh $*\` on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)."
     echo "Wall time of \`quantgate run\`, from start to exit: **${wall} s** (measured by this script)."

@@ -1,7 +1,7 @@
 """Checkpoints with real shapes and random values, for speed runs where the hubs are out of reach.
 
-A folder holds config.json, a synthetic byte-level BPE tokenizer with exactly `vocab_size` tokens,
-generation_config.json and, when asked, random safetensors weights laid out exactly as transformers
+A folder holds config.json, a synthetic byte-level BPE tokenizer with exactly `vocab_size` tokens (or the
+tokenizer files it is given: a model of the family's), generation_config.json and, when asked, random safetensors weights laid out exactly as transformers
 (BF16) or llm-compressor (W4A16, compressed-tensors "pack-quantized") would save them. Without weights
 the folder is for vLLM's `load_format="dummy"`.
 """
@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from quantgate.catalog.errors import QuantgateError
@@ -89,6 +90,7 @@ def write_dummy_checkpoint(
     group_size: int = 128,
     write_weights: bool = True,
     generation_config: dict | None = None,
+    tokenizer_files: Sequence[Path] = (),
     seed: int = 0,
     device: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
@@ -102,7 +104,7 @@ def write_dummy_checkpoint(
             if i is not None and not 0 <= i < vocab:
                 raise DummyWeightsError(f"config {key}={i} is outside the vocabulary (vocab_size={vocab})")
 
-    if vocab < (least := 256 + len(_special_tokens(config))):
+    if not tokenizer_files and vocab < (least := 256 + len(_special_tokens(config))):
         raise DummyWeightsError(f"vocab_size {vocab} is too small for a byte-level vocabulary (>= {least})")
     plan = _plan(config, quant, group_size)
 
@@ -114,7 +116,10 @@ def write_dummy_checkpoint(
     if quant == "w4a16":
         full_config["quantization_config"] = w4a16_quantization_config(group_size, IGNORE)
     (out / "config.json").write_text(json.dumps(full_config, indent=2, sort_keys=True) + "\n")
-    _write_tokenizer(out, config)
+    if tokenizer_files:
+        _copy_tokenizer(out, tokenizer_files, vocab)
+    else:
+        _write_tokenizer(out, config)
     gen = generation_config or {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
@@ -226,6 +231,23 @@ def _vocabulary(vocab_size: int, special: dict[int, str]) -> tuple[dict[str, int
         merges.append((prefix, letter))
         words.append(prefix + letter)
     return vocab, merges
+
+
+def _copy_tokenizer(out: Path, files: Sequence[Path], vocab: int) -> None:
+    """A given tokenizer's files, checked to fit the embedding: an id past `vocab_size` would index out of it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    for f in files:
+        shutil.copyfile(f, out / f.name)
+    try:
+        size = len(AutoTokenizer.from_pretrained(str(out)))
+    except (OSError, ValueError) as e:
+        raise DummyWeightsError(f"tokenizer of {files[0].parent} cannot be loaded: {e}") from None
+    if size > vocab:
+        raise DummyWeightsError(f"tokenizer of {files[0].parent} has {size:,} tokens, more than the shape's"
+                                f" vocab_size {vocab:,}: not a tokenizer of this model's family")
 
 
 def _write_tokenizer(out: Path, config: dict) -> None:

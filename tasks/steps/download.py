@@ -27,7 +27,7 @@ from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.records import ModelArtifact, Provenance
 from quantgate.catalog.settings import settings
 from quantgate.catalog.sources import (
-    GgufSource, HubSource, LocalSource, ShapeSource, shape_config, shape_generation_config,
+    GgufSource, HubSource, LocalSource, ShapeSource, shape_config, shape_generation_config, shape_tokenizer_files,
 )
 from quantgate.tasks.adapters.dummy_weights import DummyWeightsError, write_dummy_checkpoint
 from quantgate.tasks.adapters.provenance import config_provenance
@@ -355,7 +355,17 @@ def shape_sha(model_id: str, src: ShapeSource) -> str:
     # In the identity, so that a generation config added or edited beside the config is written, not a folder reused.
     if src.config is not None and (generation := _shape_generation(model_id, src)) is not None:
         ident["generation"] = generation
+    # A tokenizer folder's files by content: another family's tokenizer is another checkpoint.
+    if files := _shape_tokenizer(model_id, src):
+        ident["tokenizer"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _shape_tokenizer(model_id: str, src: ShapeSource) -> list[Path]:
+    try:
+        return shape_tokenizer_files(src)
+    except QuantgateError as e:  # the folder gone since the catalog was loaded
+        raise DownloadError(f"{model_id}: {e}") from None
 
 
 def _fetch_shape(model_id: str, src: ShapeSource, cache_dir: Path) -> tuple[Path, str]:
@@ -370,7 +380,8 @@ def _fetch_shape(model_id: str, src: ShapeSource, cache_dir: Path) -> tuple[Path
         try:
             # CPU, not the GPU: the CUDA generator draws other values from the same seed.
             write_dummy_checkpoint(tmp, _shape_config(model_id, src), seed=SHAPE_SEED, device="cpu",
-                                   generation_config=_shape_generation(model_id, src))
+                                   generation_config=_shape_generation(model_id, src),
+                                   tokenizer_files=_shape_tokenizer(model_id, src))
         except DummyWeightsError as e:
             raise DownloadError(f"{model_id}: shape {src.name}: {e}") from None
         try:
