@@ -56,6 +56,12 @@ def test_the_error_is_relative_to_the_base_and_a_constant_prediction_scores_one(
     assert logit_check.judged(0.24, "W8A16", 8) == (
         "its logits are off its base's by 0.240 (relative, 8 fixed tokens), over the W8A16 tolerance 0.15: the"
         " checkpoint does not compute what its base does")
+    # Random weights (a shape run): the 7B shape's correct AWQ build scored 1.062; unrelated logits score about 1.41.
+    assert logit_check.judged(1.062, "W4A16", 41, random_weights=True) is None
+    assert logit_check.judged(1.062, "W4A16", 41) is not None
+    assert logit_check.judged(1.45, "FP8_DYNAMIC", 41, random_weights=True) == (
+        "its logits are off its base's by 1.450 (relative, 41 fixed tokens), over the random weights' tolerance 1.3:"
+        " the checkpoint does not compute what its base does")
 
 
 def test_a_correct_build_passes_and_the_same_with_a_zeroed_layer_does_not(tmp_path):

@@ -263,7 +263,7 @@ def _build_checked(
         if (bad := _nonfinite_tensor(tmp)) is not None:
             return None, f"saved weights contain NaN/Inf in {bad}"
         # Cheap, before any evaluation: a checkpoint that loads wrong or computes what its base does not fails here.
-        problem = logit_check.checkpoint_problem(model.path, tmp, spec.scheme)
+        problem = logit_check.checkpoint_problem(model.path, tmp, spec.scheme, model.random_weights)
         return (peak, None) if problem is None else (None, problem)
     except Exception as e:
         log.warning("variant %s (%s) failed", spec.name, tmp.name, exc_info=True)
@@ -362,7 +362,7 @@ def build_load_time(
         loadtime.write_folder(tmp, model.path, spec)
         loaded = loadtime.load_model(tmp, device=device, dtype="auto")
         size = int(loaded.get_memory_footprint())
-        error = logit_check.loaded_problem(loaded, model.path, spec.scheme)
+        error = logit_check.loaded_problem(loaded, model.path, spec.scheme, model.random_weights)
         del loaded
     except Exception as e:  # this variant fails alone
         log.warning("variant %s (%s) failed", spec.name, uid, exc_info=True)
