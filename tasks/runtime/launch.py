@@ -10,6 +10,7 @@ Measured work (speed) takes a lane, so two measurements never share a GPU; work 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import gc
 import multiprocessing
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 
 from quantgate.catalog.errors import QuantgateError, one_line
 from quantgate.catalog.settings import settings
+from quantgate.tasks.runtime import processes
 from quantgate.tasks.runtime.telemetry import device_memory
 
 T = TypeVar("T")
@@ -337,12 +339,13 @@ def on_gpus(gpus: str | None, timeout_s: float | None, fn: Callable[..., T], *ar
     follow it (tasks/runtime/telemetry.py). A spawned process takes the environment as it is when it starts, so the
     variable is set for that moment only, under a lock. An exception in the child comes back as LaunchError
     with its one-line reason; SIGINT to this process reaches the child, whose `finally` blocks stop what it
-    started, before it is killed."""
+    started, before it is killed. Should this process die without doing so (`kill -9`), the child gets SIGTERM,
+    which does the same (_from_parent)."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     where = f"GPU {gpus}" if gpus is not None else "worker"
     # Not a daemon: the engines it runs start processes of their own.
-    proc = ctx.Process(target=_answer, args=(sender, fn, args), name=f"quantgate-{where.replace(' ', '')}")
+    proc = ctx.Process(target=_answer, args=(os.getpid(), sender, fn, args), name=f"quantgate-{where.replace(' ', '')}")
     with _SPAWNING:
         before = os.environ.pop("CUDA_VISIBLE_DEVICES", None) if gpus is not None else None
         if gpus is not None:
@@ -396,11 +399,21 @@ _SPAWNING = threading.Lock()
 _RUNNING: set[multiprocessing.process.BaseProcess] = set()
 
 
-def _answer(sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _from_parent(parent_pid: int) -> None:
+    """First thing in a spawned worker: SIGTERM when its parent dies, even by `kill -9` (the thread that starts it
+    waits for its end), and SIGTERM raises SystemExit, so that the worker's `finally` blocks end the engines and
+    servers it started before it ends (processes.die_with_parent, processes.exit_on_sigterm)."""
+    processes.exit_on_sigterm()
+    processes.die_with_parent(parent_pid)
+
+
+def _answer(parent_pid: int, sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    _from_parent(parent_pid)
     try:
         sender.send(("ok", fn(*args)))
     except BaseException as e:  # whatever stops the work, as its one-line reason
-        sender.send(("error", one_line(e)))
+        with contextlib.suppress(OSError):  # nobody left to read it: the parent died
+            sender.send(("error", one_line(e)))
     finally:
         sender.close()
 
@@ -486,7 +499,8 @@ def in_process_group(
     """fn(*args) in a fresh spawned process that leads its own process group, its output (and that of what it
     starts) to `log`: ("ok", what it returned), or ("failed", a one-line reason) when it raised, died, or did
     not answer within `timeout_s` (the time it waits for the GPU not counted). The whole group is killed
-    afterwards, so a hung run cannot keep holding the GPU. This is how a speed measurement runs: an engine never
+    afterwards, so a hung run cannot keep holding the GPU; should this process die first (`kill -9`), the child gets
+    SIGTERM and ends what it started (_from_parent). This is how a speed measurement runs: an engine never
     shares a CUDA context or allocator state.
 
     Under a GPU clock the process shares the GPU until it enters `measuring()`, and has it alone from then until
@@ -498,7 +512,7 @@ def in_process_group(
     # Not a daemon: vLLM starts its own engine-core process, which daemons may not do.
     proc = ctx.Process(
         target=_lead_group,
-        args=(sender, go_in, fn, args, str(log) if log else None),
+        args=(os.getpid(), sender, go_in, fn, args, str(log) if log else None),
         name=name,
     )
     clock = _CLOCK.get()
@@ -550,8 +564,10 @@ def _answer_within(receiver: Any, proc: multiprocessing.process.BaseProcess,
         return "failed", _exit_reason(proc.exitcode)
 
 
-def _lead_group(sender: Any, go: Any, fn: Callable[..., Any], args: tuple[Any, ...], log: str | None) -> None:
+def _lead_group(parent_pid: int, sender: Any, go: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+                log: str | None) -> None:
     global _GATE
+    _from_parent(parent_pid)
     # Its own process group, so the parent can also end what the engine started (vLLM's engine core).
     os.setpgrp()
     _GATE = (sender, go)
@@ -566,7 +582,8 @@ def _lead_group(sender: Any, go: Any, fn: Callable[..., Any], args: tuple[Any, .
     try:
         sender.send(("ok", fn(*args)))
     except BaseException as e:  # report whatever stops the run, then let the process end
-        sender.send(("failed", one_line(e)))
+        with contextlib.suppress(OSError):  # nobody left to read it: the parent died
+            sender.send(("failed", one_line(e)))
     finally:
         sender.close()
 

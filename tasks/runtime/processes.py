@@ -1,21 +1,89 @@
 """Processes a run starts and stops outside tasks/runtime/launch.py's spawned Python workers: a command in a
 session of its own (`vllm serve`, `vllm bench`), so that ending its process group also ends the children it spawned
 (vLLM's engine core and workers), noted by id; a child run to its end that says when its model has loaded (the
-lm-eval process); and, on an interrupt, every process group a run started (flows/interrupts.py)."""
+lm-eval process); and, on an interrupt, every process group a run started (flows/interrupts.py). Each process
+started here, and each worker tasks/runtime/launch.py spawns, ends by itself when the process that started it dies
+without cleaning up (`kill -9`, the out-of-memory killer): die_with_parent."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from pathlib import Path
 
 import psutil
 
 from quantgate.catalog.settings import settings
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None  # no parent-death signal elsewhere (macOS has none): a killed parent leaves its children running
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+# Looked up once, here: die_with_parent also runs as a Popen preexec_fn, between fork and exec, where it should do
+# no more than the system call.
+_PRCTL = _libc_prctl()
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """Have this process sent `sig` when its parent dies, however it dies (`kill -9` included: Linux's
+    PR_SET_PDEATHSIG; a no-op elsewhere), and end it now if its parent, `parent_pid`, died before this call.
+
+    Called in the child: as a Popen preexec_fn (the setting survives the exec, nice(1)'s too), or first thing in a
+    spawned worker. Caveat: the kernel sends the signal when the *thread* that started the child ends, not its
+    process; every caller here starts its child from a thread that waits for that child to end."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died first: reparented, and no signal is coming
+        os._exit(128 + int(sig))
+
+
+def _with_parent() -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGTERM when this process dies (die_with_parent)."""
+    return functools.partial(die_with_parent, os.getpid())
+
+
+# How long a process told SIGTERM by exit_on_sigterm's handler has for its cleanup before it ends in any case.
+SIGTERM_GRACE_S = 20
+
+
+def exit_on_sigterm(grace_s: int = SIGTERM_GRACE_S) -> None:
+    """In this process's main thread, SIGTERM (its parent's death: die_with_parent) raises SystemExit(143) where the
+    process is, so that its `finally` blocks and exit handlers end the engines and servers it started, which
+    SIGTERM's default action would leave running. Once only: a second SIGTERM does not cut that cleanup short.
+    Should the cleanup hang, SIGALRM's default action ends the process `grace_s` later (where SIGALRM is not
+    otherwise in use)."""
+    fired: list[int] = []
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        if grace_s and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL:
+            signal.alarm(grace_s)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handle)
 
 
 def spawn_session(cmd: Sequence[str], log: Path, env: Mapping[str, str] | None, append: bool = False,
@@ -24,13 +92,15 @@ def spawn_session(cmd: Sequence[str], log: Path, env: Mapping[str, str] | None, 
     """Start `cmd` in its own session (so its whole group can be ended by id), output to `log`, at `niceness`
     (through nice(1), which execs the command: the session leader is still the command), with the file
     descriptors `pass_fds` kept open in it. Its environment: `defaults` (which this process's own variables
-    override), this process's, then `env`."""
+    override), this process's, then `env`. It gets SIGTERM should this process die (die_with_parent), which `vllm
+    serve` takes as a shutdown, its engine's included."""
     if niceness:
         cmd = ["nice", "-n", str(niceness), *cmd]
     with log.open("ab" if append else "wb") as log_file:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
             env={**(defaults or {}), **os.environ, **(env or {})}, start_new_session=True, pass_fds=tuple(pass_fds),
+            preexec_fn=_with_parent(),
         )
     _note_session(proc.pid)
     return proc
@@ -85,8 +155,9 @@ def log_tail(path: Path, lines: int = 5) -> str:
 def run_to_end(cmd: Sequence[str], env: Mapping[str, str], ready: Path, on_ready: Callable[[], None],
                poll_s: float) -> int:
     """Run `cmd` to its end; once it has written the file `ready` (its model loaded), call `on_ready`. An exception
-    here (an interrupt) kills it. Returns its exit code."""
-    proc = subprocess.Popen(list(cmd), env=dict(env))
+    here (an interrupt) kills it, and so does this process's death (SIGTERM: die_with_parent). Returns its exit
+    code."""
+    proc = subprocess.Popen(list(cmd), env=dict(env), preexec_fn=_with_parent())
     try:
         while not ready.exists():
             try:

@@ -390,6 +390,8 @@ def _load_time_model(request: dict) -> Any:
 
 
 def _main(request_file: str, result_file: str) -> None:
+    # The SIGTERM it gets when the run's process dies (processes.run_to_end) ends its engine too, on the way out.
+    processes.exit_on_sigterm()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         out = _run(json.loads(Path(request_file).read_text()))
