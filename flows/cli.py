@@ -88,8 +88,9 @@ def run(
     chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
     picked = _names(scenarios)
     kept = _names(engines)
+    folder = str(tokenizer) if tokenizer else None
     # Bad input fails here, in one line.
-    adhoc_model(cat, model, chosen, template, scenarios=picked, engines=kept, tokenizer=_folder(tokenizer))
+    adhoc_model(cat, model, chosen, template, scenarios=picked, engines=kept, tokenizer=folder)
     with sessions.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
         pass
     with live.run_view(live.work_dir(str(workdir) if workdir else None), model, quiet=quiet):
@@ -100,7 +101,7 @@ def run(
         card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
                               warehouse=str(warehouse) if warehouse else None, variants=chosen,
                               workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
-                              remeasure=remeasure, gpus=gpus, template=template, tokenizer=_folder(tokenizer))
+                              remeasure=remeasure, gpus=gpus, template=template, tokenizer=folder)
     verdicts = [verdict_row(r) for r in card]
     if fmt != "table":
         _print_frame(verdicts, fmt)
@@ -162,12 +163,8 @@ def pull(
 
     started = time.monotonic()
     found = pull_model(model=model, catalog=str(catalog) if catalog else None,
-                       workdir=str(workdir) if workdir else None, tokenizer=_folder(tokenizer))
+                       workdir=str(workdir) if workdir else None, tokenizer=str(tokenizer) if tokenizer else None)
     console.print(f"{found.model_id}: {found.path} ({found.size_bytes or 0:,} bytes) in {time.monotonic() - started:.1f} s")
-
-
-def _folder(path: Path | None) -> str | None:
-    return str(path.expanduser().resolve()) if path else None
 
 
 def _names(csv: str | None) -> list[str] | None:

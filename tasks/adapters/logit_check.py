@@ -102,7 +102,7 @@ def judged(error: float, scheme: str, tokens: int, random_weights: bool = False)
     """Why a build whose logit error is `error` is wrong for its scheme (one line), or None. A build of random
     weights is held to RANDOM_WEIGHTS_TOLERANCE, not its scheme's."""
     tolerance, what = ((RANDOM_WEIGHTS_TOLERANCE, "random weights'") if random_weights
-                       else (TOLERANCE[scheme], f"{scheme}"))
+                       else (TOLERANCE[scheme], scheme))
     if error <= tolerance:
         return None
     return (f"its logits are off its base's by {error:.3f} (relative, {tokens} fixed tokens), over the {what}"

@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import FrameType
 from pathlib import Path
+from types import FrameType
 
 import psutil
 
