@@ -1,8 +1,10 @@
 """evaluate-model's probe stage (issue 45, item 3): the base re-measured on its suite's probe, every run, and set
 beside the model's previous probe (tasks/steps/drift.py says what it is for and how it is judged).
 
-A stage of its own, run after the speed measurements (the GPU is then free: the probe's engine is the evaluation's,
-sized the same) and before the decisions, which read its findings. Its rows and findings commit with its mark."""
+A stage of its own, after the speed measurements and before the decisions, which read its findings. Where the run
+measured the base's suite evaluation, the probe is its first items (tasks/steps/drift.probe_of); where it reused
+an earlier run's, the probe is measured on its own (the GPU is then free: its engine is the evaluation's, sized the
+same). Its rows and findings commit with its mark."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from quantgate.catalog.policy import Policy
 from quantgate.catalog.records import QualityReport, VariantArtifact
 from quantgate.catalog.suites import SuiteSpec
 from quantgate.tasks.steps import drift
-from quantgate.tasks.steps.evaluate import evaluate_task
+from quantgate.tasks.steps.evaluate import eval_key, evaluate_task
 from quantgate.warehouse import drift as drift_store
 from quantgate.warehouse import writers
 
@@ -41,12 +43,21 @@ def probe_base(run: StageRun, base: VariantArtifact, suite: SuiteSpec, policy: P
     if probe is None:
         return
     key = drift.probe_key(probe, backend, dtype)
-    eval_key = drift.probe_eval_key(key, run.run_id)
+    probe_eval = drift.probe_eval_key(key, run.run_id)
+    suite_key = eval_key(suite, backend, dtype)
 
     def compute() -> QualityReport:
-        report = evaluate_task(base.path, probe, backend=backend, device=device, dtype=dtype,
-                               trust_remote_code=spec.trust_remote_code)
-        return dataclasses.replace(report, eval_key=eval_key, config={**report.config, "probe_key": key})
+        # The base's suite evaluation measured in this run holds the probe's items; one reused from an earlier run
+        # does not say how today's engine scores, so the probe is then measured on its own.
+        measured = run.read(lambda con: drift_store.evaluation_measured_in(con, run.run_id, base.uid, suite_key))
+        if measured is not None:
+            report = drift.probe_of(probe, measured)
+            config = {**report.config, "probe_key": key, "measured_in": suite_key}
+        else:
+            report = evaluate_task(base.path, probe, backend=backend, device=device, dtype=dtype,
+                                   trust_remote_code=spec.trust_remote_code)
+            config = {**report.config, "probe_key": key}
+        return dataclasses.replace(report, eval_key=probe_eval, config=config)
 
     def write(con: Any, report: QualityReport | bool, reused: bool) -> str:
         if not reused:
@@ -55,22 +66,23 @@ def probe_base(run: StageRun, base: VariantArtifact, suite: SuiteSpec, policy: P
             writers.record_quality(con, run.run_id, base.uid, report, link=False)
             if report.status != "ok":
                 get_run_logger().warning("the base's probe could not be measured: %s", report.error)
-                return eval_key
-        _judge(con, run.run_id, base.uid, key, eval_key, policy)
-        return eval_key
+                return probe_eval
+        _judge(con, run.run_id, base.uid, key, probe_eval, policy)
+        return probe_eval
 
     run.step(STAGE, base.uid, stored=lambda con: drift_store.has_probe(con, run.run_id, base.uid) or None,
-             compute=compute, write=write, starts=lambda _: 1, label="base probe")
+             compute=compute, write=write, starts=lambda r: 0 if "measured_in" in r.config else 1,
+             label="base probe")
 
 
-def _judge(con: Any, run_id: str, base_uid: str, key: str, eval_key: str, policy: Policy) -> None:
+def _judge(con: Any, run_id: str, base_uid: str, key: str, probe_eval: str, policy: Policy) -> None:
     """This probe beside the model's previous one of the same checkpoint and probe, stored as findings."""
     previous = drift_store.previous_probe(con, run_id, base_uid, key)
     if previous is None:
         return
     changed = drift.changed_libraries(drift_store.run_versions(con, previous[0]), drift_store.run_versions(con, run_id))
     found = drift.compare(drift_store.probe_items(con, base_uid, previous[1]),
-                          drift_store.probe_items(con, base_uid, eval_key), changed, policy.confidence)
+                          drift_store.probe_items(con, base_uid, probe_eval), changed, policy.confidence)
     drift_store.record_drift(con, run_id, base_uid, previous[0], found)
     log = get_run_logger()
     for f in found:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from quantgate.catalog.policy import Policy
 from quantgate.flows import evaluate_model as em
 from quantgate.flows.cli import app
 from quantgate.warehouse import drift, reads, sessions
@@ -66,6 +67,14 @@ OLDER_PROGRAM = f"UPDATE runs SET versions = json_merge_patch(versions, '{{\"tra
 OLDER_SCORES = "UPDATE quality_samples SET value = value * 1.02 WHERE eval_key LIKE 'probe:%' AND eval_key LIKE '%' || ?"
 
 
+def probe_stages(con) -> dict[str, tuple[bool, int]]:
+    """{run id: (whether its probe was taken from its suite evaluation, the probe stage's engine starts)}."""
+    found = con.execute("SELECT e.run_id, e.config->>'$.measured_in' IS NOT NULL, s.engine_starts FROM quality_evals e"
+                        " JOIN run_stages s ON s.run_id = e.run_id AND s.stage = 'probe'"
+                        " WHERE e.eval_key LIKE 'probe:%'").fetchall()
+    return {run_id: (derived, starts) for run_id, derived, starts in found}
+
+
 def checks_of(wh: Path, run_id: str) -> list[dict]:
     with sessions.session(wh, read_only=True) as con:
         return reads.rows(con, "SELECT v.name, c.name AS check, c.outcome, c.note, c.value, c.lower, c.upper"
@@ -87,6 +96,10 @@ def test_the_same_versions_and_the_same_base_flag_nothing(first, tmp_path: Path)
     with sessions.session(wh, read_only=True) as con:
         found = drift.findings(con, run2)
         moved = reads.rows(con, "SELECT * FROM regressions WHERE kind = 'engine drift'")
+        probes = probe_stages(con)
+    # The first run measured its base's suite, and took the probe's items from it (no engine of its own); the
+    # second reused that evaluation, so it measured its probe anew: the same items scored alike either way.
+    assert probes == {run1: (True, 0), run2: (False, 1)}
     # Measured again, item for item the same: compared, not moved, nothing changed, no check on any verdict.
     assert found and all(f["previous_run_id"] == run1 and f["ratio"] == 1 and not f["moved"] and not f["drifted"]
                          and f["changed"] == "" for f in found)
@@ -164,11 +177,43 @@ def test_arithmetic_is_not_drift_and_a_move_without_a_library_change_is_not_attr
     (moved,) = [f for f in sentinel.compare(older, padded, [], 0.95) if f["metric"] == "bits_per_byte"]
     assert moved["moved"] and not moved["drifted"] and moved["changed"] == ""
     # On a verdict: said, and not as drift.
-    from quantgate.catalog.policy import Policy
-
     policy = Policy.model_validate({"version": 1, "quality": [{"task": "qg_simple_stories", "metric": "bits_per_byte",
                                                                "min_recovery": 0.95, "higher_is_better": False}]})
     check = sentinel.drift_check(policy, [{**moved, "previous_run_id": "r1"}])
     assert check is not None and check.outcome == "pass" and check.detail["drifted"] is False
     assert check.note.startswith("engine drift: none attributed: base qg_simple_stories/bits_per_byte")
     assert check.note.endswith("with no recorded library changed (the engine did not repeat itself)")
+
+
+def test_a_probe_taken_from_the_suite_evaluation_is_the_probe_measured_on_its_own() -> None:
+    """The probe of a run that measured its base's suite is that evaluation's first items (flows/probe.py): the tiny
+    model scored by lm-eval on MMLU (a group: each subject's first items, under the subject and under the group)
+    and the stories' perplexity (weighted per document), once with the suite's limits and once with the probe's
+    own. Item for item and metric for metric the same."""
+    from quantgate.catalog.suites import LocalTask, SuiteSpec
+    from quantgate.tasks.steps import drift as sentinel
+    from quantgate.tasks.steps.evaluate import evaluate_variant
+
+    suite = SuiteSpec(tasks=(LocalTask(name="qg_mmlu", limit=3), LocalTask(name="qg_simple_stories", limit=4)),
+                      probe=2)
+    probe = sentinel.probe_suite(suite, Policy.model_validate(
+        {"version": 1, "quality": [{"task": t, "metric": m, "min_recovery": 0.9, "higher_is_better": h}
+                                   for t, m, h in (("qg_mmlu", "acc", True),
+                                                   ("qg_simple_stories", "bits_per_byte", False))]}))
+    assert probe is not None
+    whole, alone = evaluate_variant(str(TINY_MODEL), suite), evaluate_variant(str(TINY_MODEL), probe)
+    assert whole.status == alone.status == "ok", (whole.error, alone.error)
+    taken = sentinel.probe_of(probe, whole)
+
+    def by_item(report) -> dict:
+        return {(s.task, s.metric, s.filter, s.doc_id): s.value for s in report.samples}
+
+    assert len(by_item(whole)) > len(by_item(taken)) == len(by_item(alone))
+    assert by_item(taken) == pytest.approx(by_item(alone), rel=1e-6)
+    assert {"qg_mmlu", "qg_mmlu_anatomy", "qg_simple_stories"} <= {s.task for s in taken.samples}
+    metrics = {(m.task, m.metric, m.filter): m for m in alone.metrics if m.value is not None}
+    derived = {(m.task, m.metric, m.filter): m for m in taken.metrics}
+    for key in [("qg_mmlu", "acc", "none"), ("qg_mmlu_anatomy", "acc", "none"),
+                ("qg_simple_stories", "bits_per_byte", "none"), ("qg_simple_stories", "word_perplexity", "none")]:
+        assert derived[key].value == pytest.approx(metrics[key].value, rel=1e-6), key
+        assert derived[key].higher_is_better == metrics[key].higher_is_better

@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from quantgate.catalog.records import MetricResult, QualityReport, SampleResult
 from quantgate.warehouse.reads import rows
 from quantgate.warehouse.statements import delete, now, transaction
 
@@ -18,14 +19,35 @@ _DRIFT_COLUMNS = ("task", "metric", "filter", "items", "higher_is_better", "prev
 def run_versions(con, run_id: str) -> dict[str, Any]:
     """The library versions a run recorded when it began (runs.versions), {} where none."""
     found = con.execute("SELECT versions FROM runs WHERE run_id = ?", [run_id]).fetchone()
-    value = found[0] if found else None
-    return json.loads(value) if isinstance(value, str) else dict(value or {})
+    return _json(found[0] if found else None)
 
 
 def has_probe(con, run_id: str, variant_uid: str) -> bool:
     """Whether the run stored its probe of this base (measured, or failed with its reason)."""
     return con.execute("SELECT 1 FROM quality_evals WHERE variant_uid = ? AND run_id = ? AND eval_key LIKE 'probe:%'",
                        [variant_uid, run_id]).fetchone() is not None
+
+
+def evaluation_measured_in(con, run_id: str, variant_uid: str, eval_key: str) -> QualityReport | None:
+    """The variant's evaluation under `eval_key` as this run measured it (its metrics and per-item rows); None where
+    the run did not measure it (reused from an earlier run's) or the evaluation failed."""
+    found = rows(con, "SELECT evaluator, config, seconds FROM quality_evals WHERE variant_uid = ? AND eval_key = ?"
+                      " AND run_id = ? AND status = 'ok'", [variant_uid, eval_key, run_id])
+    if not found:
+        return None
+    metrics = rows(con, "SELECT task, metric, filter, value, stderr, n_samples, task_version, higher_is_better"
+                        " FROM quality_results WHERE variant_uid = ? AND eval_key = ?", [variant_uid, eval_key])
+    samples = rows(con, "SELECT task, doc_id, metric, value, detail, filter FROM quality_samples"
+                        " WHERE variant_uid = ? AND eval_key = ? ORDER BY task, metric, filter, doc_id",
+                   [variant_uid, eval_key])
+    return QualityReport(eval_key=eval_key, evaluator=found[0]["evaluator"], config=_json(found[0]["config"]),
+                         metrics=[MetricResult(**m) for m in metrics],
+                         samples=[SampleResult(**{**s, "detail": _json(s["detail"])}) for s in samples],
+                         seconds=found[0]["seconds"])
+
+
+def _json(value: Any) -> dict[str, Any]:
+    return json.loads(value) if isinstance(value, str) else dict(value or {})
 
 
 def previous_probe(con, run_id: str, variant_uid: str, probe_key: str) -> tuple[str, str] | None:

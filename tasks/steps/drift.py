@@ -15,15 +15,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from quantgate.catalog.policy import Policy
-from quantgate.catalog.records import DecisionCheck
+from quantgate.catalog.records import DecisionCheck, MetricResult, QualityReport, SampleResult
 from quantgate.catalog.suites import SuiteSpec
 from quantgate.tasks.adapters.evaluators.lm_eval import local_task_configs
+from quantgate.tasks.adapters.evaluators.lm_eval_rows import GROUP_DOC_BLOCK
 from quantgate.tasks.steps.quality_stats import QualityStatsError, aggregate, aggregation, paired_bootstrap
 
 DRIFT_CHECK = "engine drift"
@@ -72,6 +74,39 @@ def probe_key(probe: SuiteSpec, backend: str, dtype: str) -> str:
 def probe_eval_key(key: str, run_id: str) -> str:
     """The probe's evaluation key: its own per run (a probe is measured anew each run, never reused)."""
     return f"probe:{key}:{run_id}"
+
+
+def probe_of(probe: SuiteSpec, evaluation: QualityReport) -> QualityReport:
+    """The probe as the base's suite evaluation of this run measured it: its first items of each probe task (a
+    group's: of each subtask) are the probe's items, asked with the same engine, arguments and protocol; each
+    metric again from those items, as lm-eval aggregates it. Saves the probe's own engine start and evaluation (at
+    7B, 155 s after the measurements: results/h200/shape7b-1). Items scored within a larger batch may differ from
+    a probe's own in their last bits, which `compare` does not take for a move (MATERIAL)."""
+    began = time.monotonic()
+    limits = {t.name: t.limit or probe.probe or 0 for t in probe.tasks}
+    group_of = {s.detail["subtask"]: s.task for s in evaluation.samples if s.task in limits and "subtask" in s.detail}
+    kept = [s for s in evaluation.samples if _in_probe(s, limits, group_of)]
+    by_metric: dict[tuple[str, str, str], list[SampleResult]] = defaultdict(list)
+    for s in kept:
+        by_metric[(s.task, s.metric, s.filter)].append(s)
+    metrics = []
+    for m in evaluation.metrics:
+        items = [s for s in by_metric.get((m.task, m.metric, m.filter), []) if s.value is not None]
+        if not items:
+            continue
+        agg = aggregation(m.metric)
+        value = aggregate(agg, [s.value for s in items], [s.detail.get("weight") or 1.0 for s in items])
+        metrics.append(MetricResult(m.task, m.metric, m.filter, value, None, len(items), m.task_version,
+                                    m.higher_is_better))
+    return QualityReport(evaluation.eval_key, evaluation.evaluator, evaluation.config, metrics, kept,
+                         time.monotonic() - began)
+
+
+def _in_probe(s: SampleResult, limits: dict[str, int], group_of: dict[str, str]) -> bool:
+    if s.task in limits:  # a task's own items, or a group's (each subtask's ids in a block of its own)
+        return s.doc_id % GROUP_DOC_BLOCK < limits[s.task]
+    group = group_of.get(s.task)
+    return group is not None and s.doc_id < limits[group]
 
 
 def changed_libraries(previous: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -74,7 +74,7 @@ def sample_rows(results: dict) -> list[dict]:
 
 
 # Subtasks' documents number from 0 each; under their group, each subtask's come from its own block of ids.
-_GROUP_DOC_BLOCK = 1_000_000
+GROUP_DOC_BLOCK = 1_000_000
 
 
 def _group_rows(results: dict, rows: list[dict]) -> list[dict]:
@@ -85,7 +85,7 @@ def _group_rows(results: dict, rows: list[dict]) -> list[dict]:
     out = []
     for group, members in sorted(results.get("group_subtasks", {}).items()):
         for i, member in enumerate(sorted(members)):
-            out += [{**r, "task": group, "doc_id": i * _GROUP_DOC_BLOCK + r["doc_id"],
+            out += [{**r, "task": group, "doc_id": i * GROUP_DOC_BLOCK + r["doc_id"],
                      "detail": {**r["detail"], "subtask": member}} for r in rows if r["task"] == member]
     return out
 
