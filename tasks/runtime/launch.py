@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from quantgate.catalog.errors import QuantgateError, one_line
 from quantgate.catalog.settings import settings
 from quantgate.tasks.runtime import processes
-from quantgate.tasks.runtime.telemetry import device_memory
+from quantgate.tasks.runtime.telemetry import GpuHolder, device_memory, gpu_holders, visible_gpu
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -41,13 +41,39 @@ R = TypeVar("R")
 # free-memory check (results/h200/reference7).
 START_HEADROOM = 0.15
 # Free memory moves without notice (other processes load and end): how often a start waiting for it looks again,
-# and how long it waits at most before it starts anyway and lets the engine say what is missing.
+# and how long it waits at most. Then it starts anyway where the GPU has what it needs free (what is promised to
+# other work is only held back, not taken), and else fails naming who holds the memory (GpuMemoryError).
 MEMORY_POLL_S = 0.5
 MEMORY_WAIT_S = 900.0
+# The processes a GpuMemoryError names, the largest first: enough to find a stray engine, a line still.
+HOLDERS_NAMED = 4
 
 
 class LaunchError(QuantgateError, RuntimeError):
     """Work in a process of its own that did not answer; the message is one line."""
+
+
+class GpuMemoryError(QuantgateError, RuntimeError):
+    """An engine start that waited MEMORY_WAIT_S and still finds less GPU memory free than it needs; one line: what
+    is free, what it needs, and the processes holding the GPU's memory (NVML), rather than the engine's own error
+    from inside vLLM."""
+
+
+def short_of_memory(what: str, need_bytes: int, free: int, total: int, holders: Sequence[GpuHolder]) -> str:
+    """GpuMemoryError's line: "GPU 0 has 3.0 GiB free of 80.0 GiB, vllm's engine on m needs 20.0 GiB after waiting
+    900 s: held by pid 123 (python3, 40.1 GiB), ..."."""
+    named = [f"pid {h.pid} ({h.name}, {'memory not reported' if h.used_bytes is None else _gib(h.used_bytes)})"
+             for h in holders[:HOLDERS_NAMED]]
+    if len(holders) > HOLDERS_NAMED:
+        named.append(f"{len(holders) - HOLDERS_NAMED} more")
+    # No process listed: the memory is another PID namespace's or NVML does not show it (a MIG instance).
+    held = f"held by {', '.join(named)}" if named else "NVML lists no process holding it"
+    return (f"GPU {visible_gpu()} has {_gib(free)} free of {_gib(total)}, {what} needs {_gib(need_bytes)}"
+            f" after waiting {MEMORY_WAIT_S:g} s: {held}")
+
+
+def _gib(n_bytes: int) -> str:
+    return f"{n_bytes / (1 << 30):.1f} GiB"
 
 
 def lanes_from(gpus: str | None) -> list[str | None]:
@@ -95,10 +121,13 @@ class GpuClock:
     beside what is promised to other starts and to work yet to start, plus START_HEADROOM while other work shares
     the GPU, and until no start of a lower rank waits (a run's checkpoints in order: the engines measured first
     load first, and what starts last is what was measured last); it waits holding no share, so measurements go on
-    meanwhile and free what their engines held. `abort` (an interrupt) wakes every waiter with LaunchError.
-    `memory`: the GPU's free and total bytes (None: not known, no wait)."""
+    meanwhile and free what their engines held. A start that waited MEMORY_WAIT_S goes where the GPU has its memory
+    free, else fails with GpuMemoryError naming the processes that hold it. `abort` (an interrupt) wakes every
+    waiter with LaunchError. `memory`: the GPU's free and total bytes (None: not known, no wait); `holders`: the
+    processes holding its memory (telemetry.gpu_holders)."""
 
-    def __init__(self, memory: Callable[[], tuple[int, int] | None] = device_memory) -> None:
+    def __init__(self, memory: Callable[[], tuple[int, int] | None] = device_memory,
+                 holders: Callable[[], list[GpuHolder]] = gpu_holders) -> None:
         self._cond = threading.Condition()
         self._sharing = 0
         self._alone = False
@@ -107,12 +136,14 @@ class GpuClock:
         self._starting: list[int] = []  # ranks of the starts waiting for memory
         self._held = threading.local()  # shares held by the calling thread
         self._memory = memory
+        self._holders = holders
         # Bytes held for starts under way and for unmeasured work yet to start, not yet (all) taken from the GPU.
         self._promised = 0
 
-    def share(self, need_bytes: int = 0, rank: int = 0) -> float:
+    def share(self, need_bytes: int = 0, rank: int = 0, what: str = "an engine's start") -> float:
         """Share the GPU; with `need_bytes`, once that much memory is free for it and no start of a lower `rank`
-        waits. Returns the seconds waited for memory."""
+        waits. Returns the seconds waited for memory; GpuMemoryError, naming `what` needs it, where the GPU does
+        not have it free after MEMORY_WAIT_S."""
         began = time.monotonic()
         with self._cond:
             if need_bytes > 0:
@@ -121,7 +152,10 @@ class GpuClock:
                 while True:
                     self._cond.wait_for(lambda: not self._alone or self._aborted)
                     self._raise_if_aborted()
-                    if need_bytes <= 0 or time.monotonic() - began >= MEMORY_WAIT_S:
+                    if need_bytes <= 0:
+                        break
+                    if time.monotonic() - began >= MEMORY_WAIT_S:
+                        self._raise_if_short(need_bytes, what)
                         break
                     if rank == min(self._starting) and self._room_for(need_bytes):
                         break
@@ -160,6 +194,16 @@ class GpuClock:
         with self._cond:
             self._promised -= n_bytes
             self._cond.notify_all()
+
+    def _raise_if_short(self, need_bytes: int, what: str) -> None:
+        """GpuMemoryError where the GPU has less than `need_bytes` free: the engine would fail inside vLLM. What is
+        promised to other work and the headroom beside it are not counted: they are held back, not taken."""
+        memory = self._memory()
+        if memory is None:
+            return
+        free, total = memory
+        if free < need_bytes <= total:  # more than the GPU has: the engine says so (no wait either)
+            raise GpuMemoryError(short_of_memory(what, need_bytes, free, total, self._holders()))
 
     def _room_for(self, need_bytes: int) -> bool:
         memory = self._memory()
@@ -230,10 +274,11 @@ _GATE: tuple[Any, Any] | None = None
 
 
 @contextmanager
-def gpu_clock(memory: Callable[[], tuple[int, int] | None] = device_memory) -> Iterator[GpuClock]:
+def gpu_clock(memory: Callable[[], tuple[int, int] | None] = device_memory,
+              holders: Callable[[], list[GpuHolder]] = gpu_holders) -> Iterator[GpuClock]:
     """A clock for one GPU, for the jobs started inside (threads that copy this context, as `jobs` does); `memory`
-    reads the GPU's free and total bytes (GpuClock)."""
-    clock = GpuClock(memory)
+    reads the GPU's free and total bytes, `holders` the processes holding them (GpuClock)."""
+    clock = GpuClock(memory, holders)
     token = _CLOCK.set(clock)
     with _SPAWNING:
         _CLOCKS.add(clock)
@@ -287,14 +332,14 @@ def ranked(rank: int) -> Iterator[None]:
 
 
 @contextmanager
-def sharing(need_bytes: int = 0) -> Iterator[None]:
+def sharing(need_bytes: int = 0, what: str = "an engine's start") -> Iterator[None]:
     """What runs inside shares the GPU (unmeasured work); it waits while a measurement runs, and for `need_bytes`
-    of free memory (an engine's start: GpuClock). No clock: no wait."""
+    of free memory (an engine's start, `what`: GpuClock, whose GpuMemoryError it raises). No clock: no wait."""
     clock = _CLOCK.get()
     if clock is None:
         yield
         return
-    clock.share(need_bytes, _RANK.get())
+    clock.share(need_bytes, _RANK.get(), what)
     try:
         yield
     finally:
@@ -494,7 +539,7 @@ def in_lanes(items: Iterable[T], lanes: Sequence[str | None], work: Callable[[T,
 
 def in_process_group(
     fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, log: Path | None = None, name: str = "quantgate",
-    start_alone: bool = False, memory_bytes: int = 0,
+    start_alone: bool = False, memory_bytes: int = 0, what: str = "an engine's start",
 ) -> tuple[str, Any]:
     """fn(*args) in a fresh spawned process that leads its own process group, its output (and that of what it
     starts) to `log`: ("ok", what it returned), or ("failed", a one-line reason) when it raised, died, or did
@@ -505,7 +550,8 @@ def in_process_group(
 
     Under a GPU clock the process shares the GPU until it enters `measuring()`, and has it alone from then until
     it has ended (`measuring` is entered once per process); it starts once the GPU has `memory_bytes` free for it
-    (GpuClock.share); `start_alone` holds the GPU alone from the start (a retry after running out of memory)."""
+    (GpuClock.share: ("failed", GpuMemoryError's line) where it never has, `what` naming the start); `start_alone`
+    holds the GPU alone from the start (a retry after running out of memory)."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     go_in, go_out = ctx.Pipe(duplex=False)
@@ -522,7 +568,10 @@ def in_process_group(
         if start_alone:
             waited, alone = clock.take(_RANK.get()), True
         else:
-            clock.share(memory_bytes, _RANK.get())
+            try:
+                clock.share(memory_bytes, _RANK.get(), what)
+            except GpuMemoryError as e:  # nothing started yet
+                return "failed", str(e)
             shared = True
     began = time.monotonic()
     proc.start()

@@ -15,7 +15,8 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from quantgate.catalog.settings import settings
 
@@ -307,9 +308,14 @@ def host_cpu_mhz() -> float | None:
     return round(sum(mhz) / len(mhz), 1) if mhz else None
 
 
-def _visible_device(pynvml: Any) -> Any:
+def visible_gpu() -> str:
+    """The GPU this process's CUDA calls device 0, as NVML names it: its index on the host, or its UUID."""
     # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES says which one CUDA calls device 0.
-    first = (settings().cuda_visible_devices or "0").split(",")[0].strip() or "0"
+    return (settings().cuda_visible_devices or "0").split(",")[0].strip() or "0"
+
+
+def _visible_device(pynvml: Any) -> Any:
+    first = visible_gpu()
     if first.isdigit():
         return pynvml.nvmlDeviceGetHandleByIndex(int(first))
     return pynvml.nvmlDeviceGetHandleByUUID(first)
@@ -404,6 +410,40 @@ def device_memory() -> tuple[int, int] | None:
 
 
 _MEMORY_NVML: Any = None
+
+
+class GpuHolder(NamedTuple):
+    """A process with a CUDA context on the visible GPU: its pid, command name ("?" where this host's /proc has no
+    such process) and the GPU memory NVML says it uses (None where NVML does not report it)."""
+
+    pid: int
+    name: str
+    used_bytes: int | None
+
+
+def gpu_holders() -> list[GpuHolder]:
+    """The processes holding memory on the visible GPU (NVML's compute processes), the largest first; empty without
+    NVML or a GPU. For a start that cannot have the memory it needs, to say who has it (tasks/runtime/launch.py).
+    NVML reports pids of the host's PID namespace: inside a container that does not share it, a pid names no
+    process here, or another one."""
+    if device_memory() is None:  # opens NVML where there is one
+        return []
+    try:
+        processes = _MEMORY_NVML.nvmlDeviceGetComputeRunningProcesses(_visible_device(_MEMORY_NVML))
+    except _MEMORY_NVML.NVMLError:
+        return []
+    # Without the rights to see it (or under MIG) NVML reports no figure, which pynvml gives as None.
+    holders = [GpuHolder(p.pid, process_name(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory))
+               for p in processes]
+    return sorted(holders, key=lambda h: h.used_bytes or 0, reverse=True)
+
+
+def process_name(pid: int) -> str:
+    """A process's command name (/proc/PID/comm: vLLM's engine core names itself there), "?" where there is none."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() or "?"
+    except OSError:
+        return "?"
 
 
 def vllm_start_check_bytes(gpu_memory_utilization: float) -> int | None:

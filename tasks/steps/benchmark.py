@@ -214,6 +214,7 @@ class _EngineStart:
             _measure_group, (self.model_path, self.engine_name, self.items, used, paired),
             self.deadline - time.monotonic() if tried else self.timeout_s, log,
             name=f"quantgate-bench-{self.engine_name}", start_alone=tried > 0, memory_bytes=0 if tried else memory,
+            what=f"{self.engine_name}'s engine on {Path(self.model_path).name}",
         )
         return payload if status == "ok" else Failure(payload, log)
 

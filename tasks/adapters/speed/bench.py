@@ -216,11 +216,11 @@ def bench_scenario(
                 with launch.measuring() as window, begin(0) as bench:
                     return measure(bench, window)
             # Its start beside unmeasured work, at its lower CPU priority, like every engine's; its passes alone.
-            with launch.sharing(start_memory_bytes(used, model_path, "vllm")):
+            with launch.sharing(start_memory_bytes(used, model_path, "vllm"), f"vllm bench on {Path(model_path).name}"):
                 bench = begin(launch.start_niceness())
             with bench, launch.measuring() as window:
                 return measure(bench, window)
-        except ServingError as e:
+        except (ServingError, launch.GpuMemoryError) as e:  # the latter raised before the start: its line is why
             return Failure(str(e), bench_dir / "vllm_bench_throughput.log")
 
     tried = retry_on_oom(fallback_options(opts, "vllm", scenario.input_len + scenario.output_len), deadline, start)

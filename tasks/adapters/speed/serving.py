@@ -93,11 +93,11 @@ def serve_scenario(
                 with launch.measuring() as window, serve(used, log) as server:
                     return measure(server, window, log)
             # Beside unmeasured work, at its lower CPU priority, once the GPU has the memory it will take.
-            with launch.sharing(start_memory_bytes(used, model_path, "vllm")):
+            with launch.sharing(start_memory_bytes(used, model_path, "vllm"), f"vllm serve on {Path(model_path).name}"):
                 server = serve(used, log, launch.start_niceness())
             with server, launch.measuring() as window:
                 return measure(server, window, log)
-        except ServingError as e:
+        except (ServingError, launch.GpuMemoryError) as e:  # the latter raised before the start: its line is why
             return Failure(str(e), log)
 
     tried = retry_on_oom(fallback_options(opts, "vllm", scenario.input_len + scenario.output_len), deadline, start)
