@@ -8,8 +8,11 @@ the folder is for vLLM's `load_format="dummy"`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
@@ -304,18 +307,23 @@ def _write_weights(out: Path, plan: list[_Tensor], seed: int, device: str, max_s
         groups[-1].append(t)
         size += t.nbytes
 
-    gen = torch.Generator(device=device).manual_seed(seed)
     names = (
         ["model.safetensors"]
         if len(groups) == 1
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
-    weight_map: dict[str, str] = {}
-    for file, group in zip(names, groups, strict=True):
-        tensors = {t.name: _random(t, gen, device).cpu() for t in group}
+
+    def write(file: str, group: list[_Tensor]) -> None:
+        tensors = {t.name: _random(t, _generator(seed, t.name, device), device).cpu() for t in group}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map |= {t.name: file for t in group}
-        del tensors
+
+    # Shards side by side: drawing random numbers from a seeded generator runs on one core, and a 7B shape is 15 GB
+    # of them (125 s on the H200 machine's host one shard after the other: results/h200/shape7b-1). Each shard holds
+    # its tensors in memory until written, so as many run at once as the free memory holds twice over.
+    with ThreadPoolExecutor(max_workers=_writers(len(groups), max_shard_bytes)) as pool:
+        for done in [pool.submit(write, file, group) for file, group in zip(names, groups, strict=True)]:
+            done.result()
+    weight_map = {t.name: file for file, group in zip(names, groups, strict=True) for t in group}
     if len(names) > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in plan)},
@@ -323,6 +331,24 @@ def _write_weights(out: Path, plan: list[_Tensor], seed: int, device: str, max_s
         }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return tuple(names)
+
+
+def _generator(seed: int, name: str, device: str) -> torch.Generator:
+    """A generator of its own per tensor, seeded by the checkpoint's seed and the tensor's name: the same weights
+    whichever order (or thread) writes them."""
+    import torch
+
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _writers(shards: int, max_shard_bytes: int) -> int:
+    """Shards written at once: one per core, as many as twice a shard fits the memory free now, at least one."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        free = 0
+    return max(1, min(shards, os.cpu_count() or 1, free // (2 * max_shard_bytes)))
 
 
 def _random(t: _Tensor, gen: torch.Generator, device: str) -> torch.Tensor:

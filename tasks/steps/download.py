@@ -52,9 +52,10 @@ _CHUNK = 8 << 20
 # default, float32 before) and ties the embeddings only where the file does.
 GGUF_CONVERTER = 2
 # A shape's random weights: the seed, and the writer's version (part of the checkpoint's identity, like the
-# converter's: a change to how dummy_weights draws values must not reuse checkpoints drawn the old way).
+# converter's: a change to how dummy_weights draws values must not reuse checkpoints drawn the old way). 2: each
+# tensor drawn from a generator of its own (seeded by its name), shards written side by side.
 SHAPE_SEED = 0
-SHAPE_WRITER = 1
+SHAPE_WRITER = 2
 
 
 def fetch_model(
