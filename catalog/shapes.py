@@ -53,6 +53,47 @@ QWEN25_14B_INSTRUCT: dict = {
     "num_key_value_heads": 8,
 }
 
+# Qwen/Qwen2.5-32B-Instruct and meta-llama/Llama-3.1-70B-Instruct config.json, as published: sized, not run
+# (benchmarks/size_curve.py predicts what a verdict on them costs). Not SHAPES: no run has taken them yet, and the
+# 70B needs its own family's tokenizer (a vocabulary of 128,256).
+QWEN25_32B_INSTRUCT: dict = {
+    **QWEN25_7B_INSTRUCT,
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "max_window_layers": 70,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+}
+
+LLAMA31_70B_INSTRUCT: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "hidden_act": "silu",
+    "hidden_size": 8192,
+    "initializer_range": 0.02,
+    "intermediate_size": 28672,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.3",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
 SHAPES: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT, "qwen2.5-14b-instruct": QWEN25_14B_INSTRUCT}
 # Each shape's generation_config.json, where its authors published one.
 GENERATION: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT_GENERATION,
