@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import replace
 
 import pytest
@@ -123,6 +124,29 @@ def test_the_one_oom_retry_reads_the_cause_from_the_log_and_counts_every_start(t
     assert (again.value, raced, again.engine_starts) == ("measured", [ladder[0], ladder[0]], 2)
     always = retry_on_oom(ladder, float("inf"), lambda used, n: Failure("AssertionError: Error in memory profiling."))
     assert [a["gpu_memory_utilization"] for a in always.attempts] == [0.8, 0.8, 0.6, 0.6] and always.exhausted
+
+def test_a_paused_point_says_where_it_is_and_goes_on_when_told(tmp_path):
+    """QUANTGATE_FAULT=<point>=pause in a real process: it writes the point, its pid and where it is, waits, and goes
+    on once its go file exists (a GPU fault test kills an engine core meanwhile, then lets its engine measure)."""
+    paused = tmp_path / "paused"
+    code = "from quantgate.tasks.runtime import faults; faults.point('measure:loaded', '/w/variants/v1'); print('on')"
+    env = {**os.environ, "QUANTGATE_FAULT": "measure:loaded=pause", "QUANTGATE_FAULT_PAUSED": str(paused)}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (paused.exists() and paused.read_text().endswith("\n")):
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert paused.read_text() == f"measure:loaded@1 {child.pid} /w/variants/v1\n"
+        time.sleep(0.3)
+        assert child.poll() is None  # still held
+        (tmp_path / f"paused.{child.pid}.go").touch()
+        assert child.communicate(timeout=30)[0] == "on\n" and child.returncode == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
 
 # --- which run a rerun resumes -------------------------------------------------------------------
 

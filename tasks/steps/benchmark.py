@@ -364,6 +364,7 @@ def _measure_group(
         engine.load(model_path, opts)
         # Loaded: no NVML polling while it waits for the GPU or measures (Telemetry.still says why).
         with telemetry.still(), launch.measuring() as window:
+            faults.point("measure:loaded", model_path)  # where a GPU fault test kills the engine or the run
             try:
                 for scenario, sets in zip(scenarios, prompt_sets, strict=True):
                     began = datetime.now(timezone.utc)

@@ -28,7 +28,7 @@ from quantgate.catalog.settings import settings
 from quantgate.catalog.suites import LocalTask, SuiteSpec
 from quantgate.tasks.adapters.evaluators import lm_eval_rows
 from quantgate.tasks.adapters.evaluators.engine import engine_plan, shared_gpu_engine_args
-from quantgate.tasks.runtime import gpu_memory, processes
+from quantgate.tasks.runtime import faults, gpu_memory, processes
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +273,7 @@ def _run(request: dict) -> dict:
     managers, by_call = _tasks_by_call(suite, request["include_paths"], request["builtin"])
     lm = _load_model(request)
     Path(request["loaded_file"]).touch()  # the parent tells the launcher: this engine's memory is taken
+    faults.point("evaluate:loaded", request["model_path"])  # where a GPU fault test interrupts an evaluation
     return _evaluate_calls(lm, managers, by_call)
 
 
