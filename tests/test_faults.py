@@ -20,6 +20,7 @@ from quantgate.tasks.adapters import engines
 from quantgate.tasks.adapters.engines import EngineOptions
 from quantgate.tasks.adapters.engines.transformers import TransformersEngine
 from quantgate.tasks.adapters.speed.retry import Failure, fallback_options, retry_on_oom
+from quantgate.tasks.runtime import launch
 from quantgate.tasks.steps.benchmark import run_scenarios
 from quantgate.warehouse import ledger, reads, sessions, statements, transfer, writers
 
@@ -88,6 +89,9 @@ def test_a_failure_that_is_not_out_of_memory_is_not_retried(tiny_model, monkeypa
 
 
 
+NO_LIMIT = launch.Deadline(float("inf"))
+
+
 def test_the_one_oom_retry_reads_the_cause_from_the_log_and_counts_every_start(tmp_path):
     """The retry the offline engines, `vllm serve` and `vllm bench` share: an out-of-memory line found only in
     the log counts, the log's first exception line is the reason's cause, and a ladder that runs out of options
@@ -95,7 +99,7 @@ def test_the_one_oom_retry_reads_the_cause_from_the_log_and_counts_every_start(t
     log = tmp_path / "serve.log"
     log.write_text("INFO starting\n(EngineCore_DP0 pid=7) ValueError: No available memory for the cache blocks.\n")
     ladder = fallback_options(EngineOptions("cuda", "bfloat16", max_model_len=4096), "vllm", 96)
-    tried = retry_on_oom(ladder, float("inf"), lambda used, n: Failure("Engine core initialization failed", log))
+    tried = retry_on_oom(ladder, NO_LIMIT, lambda used, n: Failure("Engine core initialization failed", log))
     assert [(o.gpu_memory_utilization, o.max_model_len) for o in ladder] == [(0.8, 4096), (0.6, 4096), (0.6, 96)]
     assert tried.value is None and tried.exhausted and tried.engine_starts == len(tried.attempts) == 3
     assert tried.error == ("Engine core initialization failed"
@@ -106,10 +110,10 @@ def test_the_one_oom_retry_reads_the_cause_from_the_log_and_counts_every_start(t
         seen.append(n)
         return "measured" if n == 2 else Failure("torch.OutOfMemoryError: CUDA out of memory")
 
-    ok = retry_on_oom(ladder, float("inf"), third_time_lucky)
+    ok = retry_on_oom(ladder, NO_LIMIT, third_time_lucky)
     assert (ok.value, ok.used, ok.engine_starts, seen) == ("measured", ladder[2], 3, [0, 1, 2])
-    other = retry_on_oom(ladder, float("inf"), lambda used, n: Failure("ValueError: unknown quantization method"))
-    late = retry_on_oom(ladder, 0.0, lambda used, n: Failure("CUDA out of memory"))
+    other = retry_on_oom(ladder, NO_LIMIT, lambda used, n: Failure("ValueError: unknown quantization method"))
+    late = retry_on_oom(ladder, launch.Deadline(0), lambda used, n: Failure("CUDA out of memory"))
     assert (other.error, other.attempts, other.engine_starts) == ("ValueError: unknown quantization method", [], 1)
     assert (late.used, late.attempts, late.engine_starts) == (ladder[0], [], 1)
     # Memory freed by another process while vLLM profiled says nothing of the engine's size: once more as it was.
@@ -120,9 +124,9 @@ def test_the_one_oom_retry_reads_the_cause_from_the_log_and_counts_every_start(t
         return "measured" if n == 1 else Failure("AssertionError: Error in memory profiling. Initial free memory 137.85"
                                                  " GiB, current free memory 138.38 GiB.")
 
-    again = retry_on_oom(ladder, float("inf"), raced_once)
+    again = retry_on_oom(ladder, NO_LIMIT, raced_once)
     assert (again.value, raced, again.engine_starts) == ("measured", [ladder[0], ladder[0]], 2)
-    always = retry_on_oom(ladder, float("inf"), lambda used, n: Failure("AssertionError: Error in memory profiling."))
+    always = retry_on_oom(ladder, NO_LIMIT, lambda used, n: Failure("AssertionError: Error in memory profiling."))
     assert [a["gpu_memory_utilization"] for a in always.attempts] == [0.8, 0.8, 0.6, 0.6] and always.exhausted
 
 def test_a_paused_point_says_where_it_is_and_goes_on_when_told(tmp_path):

@@ -352,3 +352,28 @@ def test_starts_waiting_for_memory_go_in_the_order_of_their_checkpoints():
         for t in threads:
             t.join(10)
     assert order == ["large", "small"]
+
+
+def test_an_engines_time_limit_does_not_count_its_waits_for_the_gpu():
+    """launch.Deadline moves by each wait of its thread on the clock: for memory to start (share) and for the GPU
+    alone (take). On the H100 a vLLM bench start that had waited 634 s for memory beside the builds was given 1 s
+    to reach its first pass, because its limit had run while it waited (results/h100/shape7b-variants-1)."""
+    free = [0]
+    other_thread_started = threading.Event()
+
+    def hold_then_free() -> None:
+        clock.share()
+        other_thread_started.set()
+        time.sleep(0.6)
+        free[0] = 100
+        clock.unshare()
+
+    with launch.gpu_clock(memory=lambda: (free[0], 100)) as clock:
+        deadline = launch.Deadline(0.5)
+        threading.Thread(target=hold_then_free).start()
+        other_thread_started.wait()
+        waited = clock.share(need_bytes=50)  # waits ~0.6 s for the memory: longer than the whole limit
+        assert waited >= 0.5 and not deadline.passed() and deadline.left() > 0.3
+        clock.unshare(50)
+        time.sleep(0.5)
+        assert deadline.passed() and deadline.left() == 1.0  # passed: a start or a pass still gets a second

@@ -152,7 +152,7 @@ def test_the_out_of_memory_retry_reports_the_line_and_does_not_start_again():
             return Failure(str(e))
 
     with launch.gpu_clock(_gpu(90).read, _Holders(HOLDERS[:1])):
-        tried = retry_on_oom([opts, opts], time.monotonic() + 60, start)
+        tried = retry_on_oom([opts, opts], launch.Deadline(60), start)
     assert tries == [0]
     assert tried.value is None and tried.attempts == []
     assert tried.error.endswith("held by pid 4242 (python3, 40.1 GiB)")

@@ -196,10 +196,10 @@ class _EngineStart:
     isolate: bool
     timeout_s: float
     log_dir: Path | None
-    deadline: float = dataclasses.field(init=False)
+    deadline: launch.Deadline = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.deadline = time.monotonic() + self.timeout_s
+        self.deadline = launch.Deadline(self.timeout_s)
 
     def __call__(self, used: EngineOptions, tried: int) -> list[tuple[str, Any]] | Failure:
         log = self.log_dir / f"{self.engine_name}-{tried}.log" if self.log_dir else None
@@ -212,7 +212,7 @@ class _EngineStart:
         memory = self.need + (start_memory_bytes(self.pair[1], self.pair[0], self.engine_name) if self.pair else 0)
         status, payload = launch.in_process_group(
             _measure_group, (self.model_path, self.engine_name, self.items, used, paired),
-            self.deadline - time.monotonic() if tried else self.timeout_s, log,
+            self.deadline.left() if tried else self.timeout_s, log,
             name=f"quantgate-bench-{self.engine_name}", start_alone=tried > 0, memory_bytes=0 if tried else memory,
             what=f"{self.engine_name}'s engine on {Path(self.model_path).name}",
         )

@@ -194,7 +194,7 @@ def bench_scenario(
         return early
     if (why := bench_mismatch(scenario)) is not None:
         return result("skipped", why, opts)
-    deadline = time.monotonic() + timeout_s
+    deadline = launch.Deadline(timeout_s)
 
     def start(used: EngineOptions, tried: int) -> dict[str, Any] | Failure:
         bench_dir = Path(work_dir) / f"bench-{scenario_name}-{tried}"
@@ -204,11 +204,11 @@ def bench_scenario(
                                num_prompts=scenario.num_prompts, work_dir=bench_dir, seed=used.seed,
                                num_warmups=scenario.num_prompts if scenario.warmup else 0,
                                passes=scenario.repetitions, extra_args=bench_engine_args(used),
-                               ready_timeout_s=max(1.0, deadline - time.monotonic()), niceness=niceness)
+                               ready_timeout_s=deadline.left(), niceness=niceness)
 
         def measure(bench: StartedBench, window: launch.GpuWindow) -> dict[str, Any]:
             launch.at_normal_priority(bench.pid)
-            res = bench.measure(max(1.0, deadline + window.waited_s - time.monotonic()))
+            res = bench.measure(deadline.left())
             return {**res, "window": window.details()}
 
         try:

@@ -5,7 +5,6 @@ is recorded."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any, Generic, TypeVar
 from quantgate.tasks.adapters import engines
 from quantgate.tasks.adapters.engines import EngineOptions
 from quantgate.tasks.adapters.speed.vllm_cli import looks_like_oom, looks_like_profiling_race, read_log, root_cause
+from quantgate.tasks.runtime import launch
 
 T = TypeVar("T")
 
@@ -68,10 +68,10 @@ def with_cause(reason: str, log_text: str) -> str:
 
 
 def retry_on_oom(
-    options: Sequence[EngineOptions], deadline: float, start: Callable[[EngineOptions, int], T | Failure]
+    options: Sequence[EngineOptions], deadline: launch.Deadline, start: Callable[[EngineOptions, int], T | Failure]
 ) -> Retried[T]:
     """start(options, number of tries so far) for each options in turn, until one returns a value, or a
-    Failure that is not out of memory (in its reason or its log), or the monotonic `deadline` has passed. A start
+    Failure that is not out of memory (in its reason or its log), or the `deadline` has passed. A start
     upset by another process freeing memory while vLLM profiled is tried once more with the same options: smaller
     ones would not have helped."""
     attempts: list[dict[str, Any]] = []
@@ -82,7 +82,7 @@ def retry_on_oom(
             return Retried(got, used, None, attempts)
         log_text = read_log(got.log) if got.log else ""
         reason = with_cause(got.reason, log_text)
-        if not (looks_like_oom(reason) or looks_like_oom(log_text)) or time.monotonic() >= deadline:
+        if not (looks_like_oom(reason) or looks_like_oom(log_text)) or deadline.passed():
             return Retried(None, used, reason, attempts, log=got.log)
         attempts.append({"gpu_memory_utilization": used.gpu_memory_utilization,
                          "max_model_len": used.max_model_len, "error": reason})

@@ -67,21 +67,21 @@ def serve_scenario(
     prompts = make_prompts(scenario.model_copy(update={"num_prompts": max(n for *_, n in sizes)}), model_path)
     slo = Slo(**scenario.slo.model_dump()) if scenario.slo else None
     work = Path(work_dir)
-    deadline = time.monotonic() + timeout_s
+    deadline = launch.Deadline(timeout_s)
 
     def serve(used: EngineOptions, log: Path, niceness: int = 0) -> ServerHandle:
         return start_server(model_path, extra_args=serve_engine_args(used, extra_args), env=env,
-                            log_path=log, ready_timeout_s=max(1.0, deadline - time.monotonic()), niceness=niceness)
+                            log_path=log, ready_timeout_s=deadline.left(), niceness=niceness)
 
     def measure(server: ServerHandle, window: launch.GpuWindow, log: Path) -> _Served:
         """The loads, with the GPU alone, and the server stopped before it is given back; the time waited for the
-        GPU is not the loads' (the deadline moves by it)."""
+        GPU is not the loads' (the deadline moves by it: launch.Deadline)."""
         launch.at_normal_priority(server.pid)
         try:
             # The memory of the server's process group: idle engines of other jobs may hold some of the GPU.
             # Its peaks are read while NVML is open and the server is up.
             with Telemetry("cuda", group=server.pid) as telemetry, telemetry.still():
-                loads = drive_loads(server, scenario, sizes, prompts, telemetry, deadline + window.waited_s)
+                loads = drive_loads(server, scenario, sizes, prompts, telemetry, deadline.at())
                 return _Served(loads, telemetry.peak_memory_bytes, telemetry.nvml_peak_bytes, log, window.details())
         finally:
             server.stop()

@@ -89,6 +89,9 @@ def serve_sweep(
     weight_only = has_weight_only_int_layers(model_path)
     runs = [point_applies(point, weight_only) for point in points]
     deadline = clock() + timeout_s
+    # The points' waits for the GPU (memory for each server's start, the GPU alone for its loads) are not the sweep's
+    # time: the deadline moves by them (launch.Deadline).
+    waited = launch.waited_s()
 
     def run_point(i: int, point: dict[str, Any], budget: float) -> tuple[SpeedResult, list[ServingLoad]]:
         overrides, args, env = sweep_settings(point)
@@ -111,7 +114,7 @@ def serve_sweep(
             if on_point:
                 on_point(*out[-1])
             continue
-        remaining = deadline - clock()
+        remaining = deadline + launch.waited_s() - waited - clock()
         skip = None
         if remaining <= 1:
             skip = "sweep: the time was up before this point"
