@@ -140,7 +140,10 @@ def test_out_of_memory_starts_are_retried_with_less():
 
     tries = fallback_options(opts, "vllm", needed_len=384)
     assert [(t.gpu_memory_utilization, t.max_model_len) for t in tries] == [(0.9, 4096), (0.7, 4096), (0.7, 384)]
-    assert fallback_options(opts, "transformers", 384) == [opts]
+    # An engine that takes what it loads: the same start again, with the GPU alone; on a CPU, none.
+    assert fallback_options(opts, "transformers", 384) == [opts, opts]
+    on_cpu = EngineOptions(device="cpu", dtype="float32")
+    assert fallback_options(on_cpu, "transformers", 384) == [on_cpu]
     tight = EngineOptions(device="cuda", dtype="bfloat16", max_model_len=384, gpu_memory_utilization=0.3)
     assert fallback_options(tight, "vllm", 384) == [tight]
     # vLLM 0.26's and torch's words for it; other failures are not retried.

@@ -20,15 +20,16 @@ T = TypeVar("T")
 
 def fallback_options(options: EngineOptions, engine_name: str, needed_len: int) -> list[EngineOptions]:
     """The options to try in order when an engine start runs out of GPU memory: as asked, then (an engine that
-    reserves a share of the GPU: vLLM) a smaller gpu_memory_utilization, then also the smallest max_model_len the scenarios need; with a sized KV
-    cache, the same options once more."""
+    reserves a share of the GPU: vLLM) a smaller gpu_memory_utilization, then also the smallest max_model_len the
+    scenarios need; with a sized KV cache, or an engine that takes only what it loads (Transformers), the same
+    options once more."""
     tries = [options]
-    if not engines.kind(engine_name).reserves_gpu_share:
-        return tries
-    if options.kv_cache_memory_bytes:
-        # A sized KV cache asks for what it needs: the retry is the same start, made with the GPU alone
-        # (tasks/runtime/launch.measuring), when no other job is loading beside it.
-        return [options, options]
+    if not engines.kind(engine_name).reserves_gpu_share or options.kv_cache_memory_bytes:
+        # What it asks for is what it needs: the retry is the same start, made with the GPU alone
+        # (tasks/runtime/launch.measuring), when no other job is loading beside it. On the H100 the 7B base's
+        # Transformers engine ran out beside vLLM engines loading, and was not tried again
+        # (results/h100/shape7b-variants-1). A CPU has no other job loading beside it.
+        return [options, options] if options.device == "cuda" else tries
     lower = round(max(0.3, options.gpu_memory_utilization - 0.2), 2)
     if lower < options.gpu_memory_utilization:
         tries.append(dataclasses.replace(options, gpu_memory_utilization=lower))
