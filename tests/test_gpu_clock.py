@@ -377,3 +377,19 @@ def test_an_engines_time_limit_does_not_count_its_waits_for_the_gpu():
         clock.unshare(50)
         time.sleep(0.5)
         assert deadline.passed() and deadline.left() == 1.0  # passed: a start or a pass still gets a second
+
+
+def test_launch_exports_the_clock_it_does_not_define():
+    """The clock lives in tasks/runtime/gpu_clock.py; launch.X reaches the very same objects (a context variable
+    defined twice would be two clocks: jobs set one and in_process_group would read the other)."""
+    import contextvars
+
+    from quantgate.tasks.runtime import gpu_clock
+
+    assert all(hasattr(launch, name) for name in launch.__all__)
+    for name in launch.__all__:
+        if hasattr(gpu_clock, name):
+            assert getattr(launch, name) is getattr(gpu_clock, name), name
+    assert not [name for name, value in vars(launch).items() if isinstance(value, contextvars.ContextVar)]
+    with launch.gpu_clock() as clock:
+        assert gpu_clock.current_clock() is clock and launch.starts_beside()

@@ -20,7 +20,7 @@ import pytest
 
 from quantgate.tasks.adapters.engines import EngineOptions
 from quantgate.tasks.adapters.speed.retry import Failure, retry_on_oom
-from quantgate.tasks.runtime import launch
+from quantgate.tasks.runtime import gpu_clock, launch
 from quantgate.tasks.runtime.telemetry import GpuHolder, device_memory, gpu_holders, process_name
 from tests.test_gpu_clock import _GpuMemory
 
@@ -43,8 +43,9 @@ class _Holders:
 
 @pytest.fixture(autouse=True)
 def _short_wait(monkeypatch):
-    """The wait for memory in a fraction of a second rather than the 15 minutes a run gives it."""
-    monkeypatch.setattr(launch, "MEMORY_WAIT_S", WAIT_S)
+    """The wait for memory in a fraction of a second rather than the 15 minutes a run gives it (set where the clock
+    reads it: launch only exports the name)."""
+    monkeypatch.setattr(gpu_clock, "MEMORY_WAIT_S", WAIT_S)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
 
 

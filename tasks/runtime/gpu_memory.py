@@ -1,4 +1,4 @@
-"""GPU memory held for unmeasured work that has yet to start, on the GPU clock of tasks/runtime/launch.py: engines
+"""GPU memory held for unmeasured work that has yet to start, on the GPU clock of tasks/runtime/gpu_clock.py: engines
 started beside that work (GpuClock.share with the memory they need) take only what is neither free for it nor promised
 to it. An evaluation engine asks vLLM to find its share of the GPU free at start; without the promise, speed
 engines loaded early left 7 GiB free and later starts failed (results/h200/reference7)."""
@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from quantgate.tasks.runtime.launch import GpuClock, current_clock
+from quantgate.tasks.runtime.gpu_clock import GpuClock, current_clock
 
 
 class MemoryPromise:

@@ -423,7 +423,7 @@ class GpuHolder(NamedTuple):
 
 def gpu_holders() -> list[GpuHolder]:
     """The processes holding memory on the visible GPU (NVML's compute processes), the largest first; empty without
-    NVML or a GPU. For a start that cannot have the memory it needs, to say who has it (tasks/runtime/launch.py).
+    NVML or a GPU. For a start that cannot have the memory it needs, to say who has it (tasks/runtime/gpu_clock.py).
     NVML reports pids of the host's PID namespace: inside a container that does not share it, a pid names no
     process here, or another one."""
     if device_memory() is None:  # opens NVML where there is one
