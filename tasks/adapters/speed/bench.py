@@ -175,6 +175,47 @@ def vllm_bench_throughput(model_path: str, *, timeout_s: float = 1800.0, **start
         return bench.measure(max(1.0, deadline - time.monotonic()))
 
 
+@dataclass(frozen=True)
+class _BenchStart:
+    """One start of a scenario's bench, as the out-of-memory retry calls it (retry_on_oom): beside unmeasured work, at
+    its lower CPU priority, like every engine's, its passes with the GPU alone; a retry after running out of memory
+    starts with the GPU alone, nothing else loading."""
+
+    model_path: str
+    scenario_name: str
+    scenario: ScenarioSpec
+    work_dir: Path
+    deadline: launch.Deadline
+
+    def __call__(self, used: EngineOptions, tried: int) -> dict[str, Any] | Failure:
+        bench_dir = self.work_dir / f"bench-{self.scenario_name}-{tried}"
+        try:
+            if tried:  # after running out of memory: started with the GPU alone, nothing else loading
+                with launch.measuring() as window, self._begin(used, bench_dir, 0) as bench:
+                    return self._measure(bench, window)
+            # Its start beside unmeasured work, at its lower CPU priority, like every engine's; its passes alone.
+            with launch.sharing(start_memory_bytes(used, self.model_path, "vllm"),
+                                f"vllm bench on {Path(self.model_path).name}"):
+                bench = self._begin(used, bench_dir, launch.start_niceness())
+            with bench, launch.measuring() as window:
+                return self._measure(bench, window)
+        except (ServingError, launch.GpuMemoryError) as e:  # the latter raised before the start: its line is why
+            return Failure(str(e), bench_dir / "vllm_bench_throughput.log")
+
+    def _begin(self, used: EngineOptions, bench_dir: Path, niceness: int) -> StartedBench:
+        scenario = self.scenario
+        return start_bench(self.model_path, input_len=scenario.input_len, output_len=scenario.output_len,
+                           num_prompts=scenario.num_prompts, work_dir=bench_dir, seed=used.seed,
+                           num_warmups=scenario.num_prompts if scenario.warmup else 0,
+                           passes=scenario.repetitions, extra_args=bench_engine_args(used),
+                           ready_timeout_s=self.deadline.left(), niceness=niceness)
+
+    def _measure(self, bench: StartedBench, window: launch.GpuWindow) -> dict[str, Any]:
+        launch.at_normal_priority(bench.pid)
+        res = bench.measure(self.deadline.left())
+        return {**res, "window": window.details()}
+
+
 def bench_scenario(
     model_path: str,
     scenario_name: str,
@@ -195,34 +236,7 @@ def bench_scenario(
     if (why := bench_mismatch(scenario)) is not None:
         return result("skipped", why, opts)
     deadline = launch.Deadline(timeout_s)
-
-    def start(used: EngineOptions, tried: int) -> dict[str, Any] | Failure:
-        bench_dir = Path(work_dir) / f"bench-{scenario_name}-{tried}"
-
-        def begin(niceness: int) -> StartedBench:
-            return start_bench(model_path, input_len=scenario.input_len, output_len=scenario.output_len,
-                               num_prompts=scenario.num_prompts, work_dir=bench_dir, seed=used.seed,
-                               num_warmups=scenario.num_prompts if scenario.warmup else 0,
-                               passes=scenario.repetitions, extra_args=bench_engine_args(used),
-                               ready_timeout_s=deadline.left(), niceness=niceness)
-
-        def measure(bench: StartedBench, window: launch.GpuWindow) -> dict[str, Any]:
-            launch.at_normal_priority(bench.pid)
-            res = bench.measure(deadline.left())
-            return {**res, "window": window.details()}
-
-        try:
-            if tried:  # after running out of memory: started with the GPU alone, nothing else loading
-                with launch.measuring() as window, begin(0) as bench:
-                    return measure(bench, window)
-            # Its start beside unmeasured work, at its lower CPU priority, like every engine's; its passes alone.
-            with launch.sharing(start_memory_bytes(used, model_path, "vllm"), f"vllm bench on {Path(model_path).name}"):
-                bench = begin(launch.start_niceness())
-            with bench, launch.measuring() as window:
-                return measure(bench, window)
-        except (ServingError, launch.GpuMemoryError) as e:  # the latter raised before the start: its line is why
-            return Failure(str(e), bench_dir / "vllm_bench_throughput.log")
-
+    start = _BenchStart(model_path, scenario_name, scenario, Path(work_dir), deadline)
     tried = retry_on_oom(fallback_options(opts, "vllm", scenario.input_len + scenario.output_len), deadline, start)
     used, attempts, res = tried.used, tried.attempts, tried.value
     if res is None:

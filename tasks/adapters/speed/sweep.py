@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,27 @@ def sweep_row_name(scenario_name: str, point: dict[str, Any]) -> str:
     return f"{scenario_name}@{sweep_label(point)}"
 
 
+Measured = tuple[SpeedResult, list[ServingLoad]]
+
+
+@dataclass(frozen=True)
+class _PointRun:
+    """One point of a sweep as a serving run of its own (`serve`), in its own folder, with the point's settings."""
+
+    serve: Callable[..., Measured]
+    model_path: str
+    scenario_name: str
+    plain: ServingScenario  # the scenario without its sweep
+    work_dir: Path
+    options: dict[str, Any] | None
+
+    def __call__(self, i: int, point: dict[str, Any], budget: float) -> Measured:
+        overrides, args, env = sweep_settings(point)
+        return self.serve(self.model_path, sweep_row_name(self.scenario_name, point), self.plain,
+                          work_dir=self.work_dir / f"point{i:02d}", timeout_s=budget,
+                          options={**(self.options or {}), **overrides}, extra_args=args, env=env)
+
+
 def serve_sweep(
     model_path: str,
     scenario_name: str,
@@ -83,7 +105,6 @@ def serve_sweep(
     a sweep cut short keeps the points it finished."""
     if scenario.sweep is None:
         raise ServingError(f"scenario {scenario_name!r} has no sweep")
-    serve = serve or serve_scenario
     points = scenario.sweep.points()
     plain = scenario.model_copy(update={"sweep": None})
     weight_only = has_weight_only_int_layers(model_path)
@@ -92,53 +113,58 @@ def serve_sweep(
     # The points' waits for the GPU (memory for each server's start, the GPU alone for its loads) are not the sweep's
     # time: the deadline moves by them (launch.Deadline).
     waited = launch.waited_s()
-
-    def run_point(i: int, point: dict[str, Any], budget: float) -> tuple[SpeedResult, list[ServingLoad]]:
-        overrides, args, env = sweep_settings(point)
-        return serve(model_path, sweep_row_name(scenario_name, point), plain, work_dir=Path(work_dir) / f"point{i:02d}",
-                     timeout_s=budget, options={**(options or {}), **overrides}, extra_args=args, env=env)
-
+    run_point = _PointRun(serve or serve_scenario, model_path, scenario_name, plain, Path(work_dir), options)
     # Where engines start beside other work (a GPU clock), a forced kernel that applies starts with the defaults:
     # whether it runs depends on nothing they measure, so its start overlaps the unmeasured work instead of
     # holding up the measurements after it.
     ahead = {i: launch.beside(run_point, i, point, timeout_s) for i, point in enumerate(points)
              if i and runs[i] and set(point) == {"kernel"} and launch.starts_beside()}
-    out: list[tuple[SpeedResult, list[ServingLoad]]] = []
+    out: list[Measured] = []
     for i, point in enumerate(points):
-        name = sweep_row_name(scenario_name, point)
         tag = {"scenario": scenario_name, "point": sweep_label(point), "settings": point,
                "min_gain_pct": scenario.sweep.min_gain_pct}
         if i in ahead:
-            result, loads = ahead[i].result()
-            out.append((dataclasses.replace(result, config={**result.config, "sweep": tag}), loads))
-            if on_point:
-                on_point(*out[-1])
-            continue
-        remaining = deadline + launch.waited_s() - waited - clock()
-        skip = None
-        if remaining <= 1:
-            skip = "sweep: the time was up before this point"
-        elif not runs[i]:
-            skip = (f"sweep: {sweep_label(point)} applies to weight-only quantized layers (W4A16-style);"
-                    " this checkpoint has none")
-        elif out and (why := moot_point(point, plain, out[0][0])):
-            skip = f"sweep: {sweep_label(point)} cannot change the outcome: {why}"
-            runs[i] = False
-        if skip:
-            config = {**plain.model_dump(mode="json"), "sweep": tag}
-            out.append((SpeedResult("vllm", name, "skipped", skip, config), []))
-            if on_point:
-                on_point(*out[-1])
-            continue
-        # A point may use what is left beyond a minimum kept for each later one (the first start compiles and
-        # is the slowest), and never less than an even share.
-        left = sum(r for j, r in enumerate(runs[i:], i) if j not in ahead)
-        budget = max(remaining / left, remaining - (left - 1) * min_point_s)
-        result, loads = run_point(i, point, budget)
-        out.append((dataclasses.replace(result, config={**result.config, "sweep": tag}), loads))
+            measured = _tagged(ahead[i].result(), tag)
+        else:
+            remaining = deadline + launch.waited_s() - waited - clock()
+            if skip := _skip_reason(point, runs[i], remaining, plain, out[0][0] if out else None):
+                config = {**plain.model_dump(mode="json"), "sweep": tag}
+                measured = (SpeedResult("vllm", sweep_row_name(scenario_name, point), "skipped", skip, config), [])
+            else:
+                budget = _point_budget(remaining, [r for j, r in enumerate(runs[i:], i) if j not in ahead], min_point_s)
+                measured = _tagged(run_point(i, point, budget), tag)
+        out.append(measured)
         if on_point:
-            on_point(*out[-1])
+            on_point(*measured)
     return out
+
+
+def _point_budget(remaining: float, runs_left: list[bool], min_point_s: float) -> float:
+    """The seconds a point may use of the `remaining`, with `runs_left` saying which points from it on still run in
+    this thread: what is left beyond a minimum kept for each later one (the first start compiles and is the
+    slowest), and never less than an even share."""
+    left = sum(runs_left)
+    return max(remaining / left, remaining - (left - 1) * min_point_s)
+
+
+def _tagged(measured: Measured, tag: dict[str, Any]) -> Measured:
+    """A point's row with config.sweep = `tag`."""
+    result, loads = measured
+    return dataclasses.replace(result, config={**result.config, "sweep": tag}), loads
+
+
+def _skip_reason(point: dict[str, Any], applies: bool, remaining: float, plain: ServingScenario,
+                 defaults: SpeedResult | None) -> str | None:
+    """Why a point gets a skipped row: no time left (`remaining` seconds), no layer for its forced kernel on this
+    checkpoint (`applies` False), or nothing it could change on the `defaults`' figures (moot_point); else None."""
+    if remaining <= 1:
+        return "sweep: the time was up before this point"
+    if not applies:
+        return (f"sweep: {sweep_label(point)} applies to weight-only quantized layers (W4A16-style);"
+                " this checkpoint has none")
+    if defaults is not None and (why := moot_point(point, plain, defaults)):
+        return f"sweep: {sweep_label(point)} cannot change the outcome: {why}"
+    return None
 
 
 def serve_variant(
