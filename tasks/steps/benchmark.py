@@ -5,7 +5,8 @@
 
 A fresh process per engine start means engines never share a CUDA context or allocator state, and a
 crash, an out-of-memory kill or a hang costs that run's results ("failed", with a one-line reason), not
-the flow. Scenarios that need the same engine options may share one process (one engine start).
+the flow. Scenarios that need the same engine options may share one process (one engine start). The session's rows
+are assembled from what its process measured in tasks/steps/session_rows.py.
 """
 
 from __future__ import annotations
@@ -24,20 +25,17 @@ from quantgate.catalog.records import SpeedResult
 from quantgate.catalog.scenarios import OfflineScenario, ScenarioSpec
 from quantgate.tasks.adapters import engines
 from quantgate.tasks.adapters.engines import Engine, EngineOptions, RequestTiming, cuda_available
-from quantgate.tasks.adapters.speed.checkpoint import is_compressed_tensors, text_config
+from quantgate.tasks.adapters.speed.checkpoint import is_compressed_tensors
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
 from quantgate.tasks.adapters.speed.options import (
     engine_fit, engine_options, resolve_device, sized_kv_cache, start_memory_bytes, wants_random_weights,
 )
 from quantgate.tasks.adapters.speed.prompts import Prompts, make_prompt_sets
-from quantgate.tasks.adapters.speed.retry import Failure, Retried, fallback_options, retry_on_oom
-from quantgate.tasks.adapters.speed.vllm_cli import compile_cache_from_log
+from quantgate.tasks.adapters.speed.retry import Failure, fallback_options, retry_on_oom
 from quantgate.tasks.runtime import faults, launch
 from quantgate.tasks.runtime.environment import library_versions
 from quantgate.tasks.runtime.telemetry import PassClocks, Telemetry, device_name, measure_bandwidth_gbps
-from quantgate.tasks.adapters.roofline import (
-    RooflineError, checkpoint_tensors, decode_weight_bytes, dequantized_tensors, kv_bytes_per_token, roofline_fraction,
-)
+from quantgate.tasks.steps.session_rows import measured_alone, measured_row, same_rows, start_details
 
 
 def engine_sessions(
@@ -110,12 +108,12 @@ def run_scenarios(
         return []
     device, opts = _session_options(model_path, scenarios, options)
     if (refused := _refusal(model_path, engine_name, device)) is not None:
-        return _rows(engine_name, scenarios, *refused, opts)
+        return same_rows(engine_name, scenarios, *refused, opts)
     what = engines.kind(engine_name)
     if what.decompresses_quantized and is_compressed_tensors(model_path):
         if decompressed := [item for item in scenarios if not item[1].transformers_decompressed]:
             asked = [item for item in scenarios if item not in decompressed]
-            return _rows(engine_name, decompressed, "skipped", DECOMPRESSED, opts) + run_scenarios(
+            return same_rows(engine_name, decompressed, "skipped", DECOMPRESSED, opts) + run_scenarios(
                 model_path, engine_name, asked, isolate=isolate, timeout_s=timeout_s, options=options,
                 log_dir=log_dir, pair_with=pair_with)
     items = [s for _, s in scenarios]
@@ -124,17 +122,17 @@ def run_scenarios(
     pair = _pairing(pair_with, engine_name, device, scenarios, options)
     need, too_big, unpaired = engine_fit(opts, model_path, engine_name, pair)
     if too_big:
-        return _rows(engine_name, scenarios, "failed", too_big, opts)  # before it starts
+        return same_rows(engine_name, scenarios, "failed", too_big, opts)  # before it starts
     pair = None if unpaired else pair
     start = _EngineStart(model_path, engine_name, items, pair, need, isolate, timeout_s,
                          Path(log_dir) if log_dir and isolate else None)
     needed_len = max(s.input_len + s.output_len for s in items)
     tried = retry_on_oom(fallback_options(opts, engine_name, needed_len), start.deadline, start)
-    details = _start_details(tried, what.logs_compile_cache, start.log_dir, engine_name, isolate)
+    details = start_details(tried, what.logs_compile_cache, start.log_dir, engine_name, isolate)
     if tried.value is None:
-        return _rows(engine_name, scenarios, "failed", tried.error, tried.used, details)
-    alone = unpaired or _measured_alone(pair_with, pair, tried.attempts, isolate)
-    out = [_row(model_path, engine_name, name, scenario, tried.used, one, details, alone)
+        return same_rows(engine_name, scenarios, "failed", tried.error, tried.used, details)
+    alone = unpaired or measured_alone(pair_with, pair, tried.attempts, isolate)
+    out = [measured_row(model_path, engine_name, name, scenario, tried.used, one, details, alone)
            for (name, scenario), one in zip(scenarios, tried.value, strict=True)]
     faults.point("benchmark")
     return out
@@ -175,13 +173,6 @@ def _refusal(model_path: str, engine_name: str, device: str) -> tuple[Literal["s
     return None
 
 
-def _rows(engine_name: str, scenarios: Sequence[tuple[str, ScenarioSpec]], status: Literal["ok", "skipped", "failed"],
-          reason: str | None, used: EngineOptions, details: dict[str, Any] | None = None) -> list[SpeedResult]:
-    """One row per scenario, all with the same status and reason."""
-    return [SpeedResult(engine_name, name, status, reason, _config(scenario, used), details=dict(details or {}))
-            for name, scenario in scenarios]
-
-
 @dataclasses.dataclass
 class _EngineStart:
     """One start of the session's engine, as the out-of-memory retry calls it (retry_on_oom): in a process group of
@@ -219,36 +210,6 @@ class _EngineStart:
         return payload if status == "ok" else Failure(payload, log)
 
 
-def _start_details(tried: Retried[list[tuple[str, Any]]], compile_log: bool, log_dir: Path | None, engine_name: str,
-                   isolate: bool) -> dict[str, Any]:
-    """What every row of the session shares of its starts: the one load, one more per out-of-memory retry, and the
-    base's where it loaded beside the variant; the wait for memory, the failed tries, the compile cache used."""
-    base_loaded = any(status == "ok" and "paired_base" in measured.get("details", {})
-                      for status, measured in tried.value or [])
-    details: dict[str, Any] = {"engine_starts": tried.engine_starts + base_loaded}
-    if isolate and (waited := launch.memory_wait_s()):
-        details["memory_wait_s"] = round(waited, 3)
-    if tried.attempts:
-        details["attempts"] = tried.attempts
-    if compile_log and log_dir is not None:
-        if compiled := compile_cache_from_log(log_dir / f"{engine_name}-{len(tried.attempts)}.log"):
-            details["compile_cache"] = compiled
-    return details
-
-
-def _row(model_path: str, engine_name: str, name: str, scenario: ScenarioSpec, used: EngineOptions,
-         one: tuple[str, Any], details: dict[str, Any], alone: str | None) -> SpeedResult:
-    """A scenario's row from what its engine process measured: failed with the reason, or its figures."""
-    status, measured = one
-    config = _config(scenario, used)
-    if status != "ok":
-        return SpeedResult(engine_name, name, "failed", measured, config, details=dict(details))
-    measured = {**measured, "details": {**details, **measured.get("details", {})}}
-    if alone and getattr(scenario, "paired", False) and not {"paired_base", "unpaired"} & measured["details"].keys():
-        measured["details"]["unpaired"] = alone
-    return SpeedResult(engine_name, name, "ok", None, config, **_derived(model_path, engine_name, used, measured))
-
-
 def _pairing(pair_with: str | None, engine_name: str, device: str, scenarios: Sequence[tuple[str, ScenarioSpec]],
              options: Mapping[str, Any] | None) -> tuple[str, EngineOptions] | None:
     """The base checkpoint and the options its engine loads with beside a variant's (those of the base's own
@@ -262,17 +223,6 @@ def _pairing(pair_with: str | None, engine_name: str, device: str, scenarios: Se
     return pair_with, opts
 
 
-def _measured_alone(pair_with: str | None, pair: tuple[str, EngineOptions] | None, attempts: list, isolate: bool,
-                    ) -> str | None:
-    """Why a paired scenario's passes ran without the base, where its engine process could not know: there was no
-    base folder, or the variant's process was a retry after running out of memory, which starts alone."""
-    if not pair_with:
-        return None
-    if pair is None:
-        return f"no base folder at {pair_with} to pair with"
-    return "a retry after running out of GPU memory loads the variant alone" if attempts and isolate else None
-
-
 def _load_time_problem(model_path: str, engine_name: str, device: str) -> str | None:
     """Why a load-time (bitsandbytes) variant cannot run on this engine and device, or None (also for
     ordinary checkpoints)."""
@@ -283,42 +233,6 @@ def _load_time_problem(model_path: str, engine_name: str, device: str) -> str | 
     if engines.kind(engine_name).bitsandbytes_loader == "engine":
         return loadtime.vllm_problem(model_path)
     return loadtime.unavailable(device)
-
-
-def _config(scenario: ScenarioSpec, used: EngineOptions) -> dict[str, Any]:
-    return {**scenario.model_dump(mode="json"), "engine_options": dataclasses.asdict(used)}
-
-
-def _derived(model_path: str, engine_name: str, used: EngineOptions, measured: dict[str, Any]) -> dict[str, Any]:
-    """What the parent adds to a child's measurement: KV-cache bytes and the roofline, which need only
-    the checkpoint's config and headers."""
-    out = dict(measured)
-    config = text_config(model_path)
-    if out.get("kv_cache_tokens") and config:
-        dtype_bytes = 4 if used.dtype == "float32" else 2
-        out["kv_cache_bytes"] = out["kv_cache_tokens"] * kv_bytes_per_token(config, dtype_bytes)
-    from quantgate.tasks.adapters.loadtime import descriptor
-
-    if out.get("decode_tokens_per_s") and out.get("bandwidth_gbps") and descriptor(model_path) is not None:
-        # Its folder holds the base's config, whose layout would count 16-bit weights: not what is read.
-        out["details"] = {**out.get("details", {}), "roofline": "not computed for a load-time (bitsandbytes) variant"}
-    elif out.get("decode_tokens_per_s") and out.get("bandwidth_gbps"):
-        # Transformers decompresses a quantized checkpoint on load and then reads 16-bit weights.
-        dequantized = engines.kind(engine_name).decompresses_quantized and bool(config and config.get("quantization_config"))
-        try:
-            tensors = dequantized_tensors(model_path) if dequantized else checkpoint_tensors(model_path)
-            weight_bytes = decode_weight_bytes(tensors)
-        except (RooflineError, OSError, ValueError) as e:
-            out["details"] = {**out.get("details", {}), "roofline": str(e)}
-        else:
-            out["weight_bytes_per_token"] = weight_bytes
-            if dequantized:
-                out["details"] = {**out.get("details", {}), "weights_read": "decompressed to 16 bits on load"}
-            # Each of tensor_parallel_size GPUs streams its shard over its own memory.
-            out["roofline_fraction"] = roofline_fraction(
-                out["decode_tokens_per_s"], weight_bytes, out["bandwidth_gbps"] * used.tensor_parallel_size
-            )
-    return out
 
 
 def speed_environment() -> dict[str, Any]:
