@@ -15,7 +15,9 @@ import torch
 from quantgate.catalog.scenarios import OfflineScenario, ServingScenario
 from quantgate.tasks.adapters.endpoint import Target
 from quantgate.tasks.adapters.speed.errors import BenchmarkError
-from quantgate.tasks.steps.measure import BACKENDS, Backend, backend_name, measure
+from quantgate.tasks.steps.measure import (
+    BACKENDS, DEFAULT_BACKEND, Backend, BackendKind, backend_name, backend_of, measure,
+)
 from tests.shared_data import TINY_MODEL
 
 SESSION = OfflineScenario(num_prompts=2, input_len=8, output_len=4, batch_size=2, repetitions=1, device="cpu")
@@ -34,6 +36,21 @@ def test_each_engine_and_kind_has_its_backend():
         backend_name("vllm", [("a", SESSION), ("s", SERVING)])
     with pytest.raises(BenchmarkError, match="an endpoint runs serving scenarios only"):
         backend_name("endpoint", [("a", SESSION)])
+
+
+def test_a_backend_is_chosen_by_what_the_registry_declares_not_by_name(monkeypatch):
+    """A backend registered with the engines and kinds it claims is chosen for them, its rules held, with no name
+    written into backend_name (issue 41)."""
+    mine = BackendKind("tests.test_measure:nothing", engines=frozenset({"my-engine"}),
+                       runs_kinds=frozenset({"offline"}), one_scenario=True, rule="mine runs one")
+    monkeypatch.setitem(BACKENDS, "mine", mine)
+    assert backend_name("my-engine", [("a", SESSION)]) == "mine"
+    assert backend_of("my-engine", [("a", SESSION)]) is mine
+    with pytest.raises(BenchmarkError, match=r"a\+b: mine runs one"):
+        backend_name("my-engine", [("a", SESSION), ("b", SESSION)])
+    with pytest.raises(BenchmarkError, match="mine runs one"):
+        backend_name("my-engine", [("s", SERVING)])
+    assert backend_name("vllm", [("a", SESSION)]) == DEFAULT_BACKEND == "session"
 
 
 def test_every_registered_backend_imports_with_the_backends_signature():

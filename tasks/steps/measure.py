@@ -44,10 +44,21 @@ class Backend(Protocol):
 class BackendKind:
     """A backend's function ("module:function", imported on use) and what it does, which its callers ask instead
     of its name: whether it groups several scenarios into one engine start (a session; otherwise each scenario is
-    a start of its own)."""
+    a start of its own); the job engines that always run on it, and the scenario kinds that bring a job of any
+    engine to it; the scenario kinds it runs (None: any) and whether a job holds one scenario only, with the rule
+    a job that breaks them is told."""
 
     path: str
     session: bool = False
+    # The job engines measured by this backend whatever their scenarios (a scenario's `engines` entry, a GPU suite
+    # step's engine), and the scenario kinds that bring a job of an engine nobody claims here.
+    engines: frozenset[str] = frozenset()
+    claims_kinds: frozenset[str] = frozenset()
+    # What a job of this backend must be: its scenarios' kinds (None: any) and one scenario a job; else BenchmarkError
+    # with `rule`.
+    runs_kinds: frozenset[str] | None = None
+    one_scenario: bool = False
+    rule: str = ""
 
 
 # An engine session: Transformers or vLLM loaded once in a process of its own for offline and latency scenarios
@@ -56,27 +67,29 @@ class BackendKind:
 # serving scenarios.
 BACKENDS: dict[str, BackendKind] = {
     "session": BackendKind("quantgate.tasks.steps.benchmark:measure_session", session=True),
-    "vllm-bench": BackendKind("quantgate.tasks.adapters.speed.bench:measure_bench"),
-    "vllm-serve": BackendKind("quantgate.tasks.adapters.speed.sweep:measure_serving"),
-    "endpoint": BackendKind("quantgate.tasks.adapters.endpoint:measure_endpoint"),
+    "vllm-bench": BackendKind("quantgate.tasks.adapters.speed.bench:measure_bench", engines=frozenset({"vllm-bench"})),
+    "vllm-serve": BackendKind("quantgate.tasks.adapters.speed.sweep:measure_serving", engines=frozenset({"vllm-serve"}),
+                              claims_kinds=frozenset({"serving"}), runs_kinds=frozenset({"serving"}),
+                              one_scenario=True, rule="a serving scenario is measured alone"),
+    "endpoint": BackendKind("quantgate.tasks.adapters.endpoint:measure_endpoint", engines=frozenset({"endpoint"}),
+                            runs_kinds=frozenset({"serving"}), rule="an endpoint runs serving scenarios only"),
 }
+# The backend of a job that no engine and no scenario kind claims.
+DEFAULT_BACKEND = "session"
 
 
 def backend_name(engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]]) -> str:
-    """The backend of one job: the bench for `vllm-bench`, the endpoint for `endpoint` (serving scenarios only), the
-    server for a serving scenario (one per job), else an engine session."""
+    """The backend of one job: the one that claims its engine (`vllm-bench`, `vllm-serve`, `endpoint`), else the one
+    that claims a kind of its scenarios (a serving scenario: the server), else an engine session; BenchmarkError for
+    a job its backend does not run (BackendKind.runs_kinds, one_scenario)."""
     kinds = {s.kind for _, s in scenarios}
-    if engine == "vllm-bench":
-        return "vllm-bench"
-    if engine == "endpoint":
-        if kinds != {"serving"}:
-            raise BenchmarkError(f"{'+'.join(n for n, _ in scenarios)}: an endpoint runs serving scenarios only")
-        return "endpoint"
-    if engine == "vllm-serve" or "serving" in kinds:
-        if kinds != {"serving"} or len(scenarios) != 1:
-            raise BenchmarkError(f"{'+'.join(n for n, _ in scenarios)}: a serving scenario is measured alone")
-        return "vllm-serve"
-    return "session"
+    name = next((n for n, b in BACKENDS.items() if engine in b.engines), None)
+    if name is None:
+        name = next((n for n, b in BACKENDS.items() if b.claims_kinds & kinds), DEFAULT_BACKEND)
+    what = BACKENDS[name]
+    if (what.runs_kinds is not None and kinds != what.runs_kinds) or (what.one_scenario and len(scenarios) != 1):
+        raise BenchmarkError(f"{'+'.join(n for n, _ in scenarios)}: {what.rule}")
+    return name
 
 
 def backend_of(engine: str, scenarios: Sequence[tuple[str, ScenarioSpec]]) -> BackendKind:
