@@ -226,7 +226,7 @@ def _split(plan: RunPlan, gpus: int) -> RunPlan:
 def sizing(model_id: str, config: dict[str, Any], gpus: int, tpl: Template) -> Sizing:
     """A model's run sized as flows/memory_plan.gpu_share sizes it, on `gpus` H200s."""
     suite = tpl.cat.suites[tpl.spec.suite]
-    # flows/evaluate_model._eval_setup on a GPU with vLLM: Transformers only for load-time (bitsandbytes) variants.
+    # flows/quality_stages.eval_setup on a GPU with vLLM: Transformers only for load-time (bitsandbytes) variants.
     backend = "hf" if any(v.load_time for v, _ in tpl.variants) else "vllm"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

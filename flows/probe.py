@@ -9,31 +9,20 @@ same). Its rows and findings commit with its mark."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from prefect import get_run_logger
 
 from quantgate.catalog.models import ModelSpec
 from quantgate.catalog.policy import Policy
 from quantgate.catalog.records import QualityReport, VariantArtifact
+from quantgate.catalog.stages import Stage
 from quantgate.catalog.suites import SuiteSpec
+from quantgate.flows.stage_run import StageRun
 from quantgate.tasks.steps import drift
 from quantgate.tasks.steps.evaluate import eval_key, evaluate_task
 from quantgate.warehouse import drift as drift_store
 from quantgate.warehouse import writers
-
-STAGE = "probe"
-
-
-class StageRun(Protocol):
-    """What the stage needs of evaluate-model's run: its id and its one way to run a stage (`_Run.step`)."""
-
-    run_id: str
-
-    def step(self, stage: str, item: str, *, stored: Callable[[Any], Any], compute: Callable[[], Any],
-             write: Callable[[Any, Any, bool], str | None], starts: Callable[[Any], int] = ...,
-             label: str = "") -> Any: ...
 
 
 def probe_base(run: StageRun, base: VariantArtifact, suite: SuiteSpec, policy: Policy, backend: str, device: str,
@@ -70,7 +59,7 @@ def probe_base(run: StageRun, base: VariantArtifact, suite: SuiteSpec, policy: P
         _judge(con, run.run_id, base.uid, key, probe_eval, policy)
         return probe_eval
 
-    run.step(STAGE, base.uid, stored=lambda con: drift_store.has_probe(con, run.run_id, base.uid) or None,
+    run.step(Stage.PROBE, base.uid, stored=lambda con: drift_store.has_probe(con, run.run_id, base.uid) or None,
              compute=compute, write=write, starts=lambda r: 0 if "measured_in" in r.config else 1,
              label="base probe")
 

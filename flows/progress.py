@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Step:
-    stage: str  # download, quantize, evaluate, kl, benchmark, decide
+    stage: str  # a catalog/stages.Stage: download, quantize, evaluate, kl, benchmark, probe, decide
     checkpoint: str = ""
     index: int = 1  # 1-based: step `index` of `total` of this stage
     total: int = 1

@@ -12,6 +12,7 @@ from typing import Any
 import duckdb
 
 from quantgate.catalog.records import MetricResult, ModelArtifact, Provenance
+from quantgate.catalog.stages import Stage
 
 
 def rows(con, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
@@ -147,11 +148,11 @@ def speed_source(con, speed_key: str) -> tuple[str, str] | None:
     again."""
     found = con.execute(
         "SELECT rv.run_id, rv.variant_uid FROM run_variants rv JOIN run_stages st ON st.run_id = rv.run_id"
-        " AND st.stage = 'benchmark' AND st.item = rv.variant_uid"
+        " AND st.stage = ? AND st.item = rv.variant_uid"
         " WHERE rv.speed_key = ? AND coalesce(rv.speed_run_id, rv.run_id) = rv.run_id"
         " AND coalesce(rv.speed_variant_uid, rv.variant_uid) = rv.variant_uid"
         " ORDER BY st.completed_at DESC LIMIT 1",
-        [speed_key],
+        [Stage.BENCHMARK, speed_key],
     ).fetchone()
     return (found[0], found[1]) if found else None
 
