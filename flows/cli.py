@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -83,25 +84,31 @@ def run(
     check that made it, then where the time went."""
     from quantgate.flows import live, prefect_api
 
-    _check_format(fmt)
-    cat = load_catalog(catalog or DEFAULT_CATALOG)
-    chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
-    picked = _names(scenarios)
-    kept = _names(engines)
-    folder = str(tokenizer) if tokenizer else None
-    # Bad input fails here, in one line.
-    adhoc_model(cat, model, chosen, template, scenarios=picked, engines=kept, tokenizer=folder)
-    with sessions.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
-        pass
-    with live.run_view(live.work_dir(str(workdir) if workdir else None), model, quiet=quiet):
-        server_answers = prefect_api.start_temporary_server()  # inside the view: its output goes to the run's log
-        from quantgate.flows.evaluate_model import evaluate_model
+    # A Ctrl-C from here to the flow's stages (whose guard takes it over) or after them ends the command once it is
+    # safe to: raised where it lands, inside an import, it can hang the command (flows/interrupts.py).
+    with interrupts.ctrl_c_deferred():
+        _check_format(fmt)
+        cat = load_catalog(catalog or DEFAULT_CATALOG)
+        chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
+        picked = _names(scenarios)
+        kept = _names(engines)
+        folder = str(tokenizer) if tokenizer else None
+        # Bad input fails here, in one line.
+        adhoc_model(cat, model, chosen, template, scenarios=picked, engines=kept, tokenizer=folder)
+        with sessions.session(warehouse):  # so does a warehouse that cannot be written (foreign, newer, locked)
+            pass
+        # The temporary server inside the view (its output goes to the run's log), started ahead of the pipeline's
+        # import and stopped only once the flow has ended, a Ctrl-C's included.
+        with live.run_view(live.work_dir(str(workdir) if workdir else None), model, quiet=quiet), \
+                prefect_api.temporary_server() as server_answers:
+            from quantgate.flows.evaluate_model import evaluate_model
 
-        server_answers()
-        card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
-                              warehouse=str(warehouse) if warehouse else None, variants=chosen,
-                              workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
-                              remeasure=remeasure, gpus=gpus, template=template, tokenizer=folder)
+            while not server_answers(0.2):
+                interrupts.ctrl_c_now()
+            card = evaluate_model(model=model, catalog=str(catalog) if catalog else None,
+                                  warehouse=str(warehouse) if warehouse else None, variants=chosen,
+                                  workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
+                                  remeasure=remeasure, gpus=gpus, template=template, tokenizer=folder)
     verdicts = [verdict_row(r) for r in card]
     if fmt != "table":
         _print_frame(verdicts, fmt)
@@ -467,8 +474,15 @@ def main() -> None:
     # logging's shutdown), they are left out of those walks; exit handlers still run and files are still flushed,
     # only objects in reference cycles are not finalized, which Python does not promise at exit anyway.
     atexit.register(gc.freeze)
+    interrupts.note_ctrl_c()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
+        # Typer returns a command's typer.Exit code, and 130 for a KeyboardInterrupt (a Ctrl-C before or after a
+        # flow's interrupt guard), instead of raising them: left unread, each exited 0.
+        if isinstance(code, int) and not isinstance(code, bool) and code:
+            if code == 128 + signal.SIGINT:
+                err.print("error: interrupted", highlight=False)
+            sys.exit(code)
     except (typer.Exit, SystemExit) as e:
         code = getattr(e, "exit_code", getattr(e, "code", 0))
         sys.exit(code or 0)

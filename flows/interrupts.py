@@ -42,11 +42,53 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
 
+_ctrl_c: list[int] = []
+_deferring: list[bool] = []
+
+
+def note_ctrl_c() -> None:
+    """Outside `guard` (a command's start, before its flow's stages; its end), SIGINT raises KeyboardInterrupt as
+    Python's own handler does (inside `ctrl_c_deferred`, at its end), and is noted: a library that turns the
+    KeyboardInterrupt into an error of its own (DuckDB's "Query interrupted", a pydantic serialization error) does
+    not turn the Ctrl-C into another failure (exit_code). Only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        _ctrl_c.append(signum)
+        if not _deferring:
+            signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, handle)
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """A Ctrl-C inside (once note_ctrl_c is in place) is raised at its end, at a `ctrl_c_now` or as `guard` begins
+    (as the flow's interrupt, its stage "startup"), not where it lands: raised inside Python's import machinery (a
+    command's start imports for seconds), a KeyboardInterrupt can leave its import lock held, and the next import or
+    process start of another thread (the one that starts Prefect's temporary server) waits for it forever, and the
+    command with it."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    if _ctrl_c:
+        raise KeyboardInterrupt
+
+
+def ctrl_c_now() -> None:
+    """Where it is safe to: raise the Ctrl-C `ctrl_c_deferred` held back, if any."""
+    if _ctrl_c and _deferring:
+        raise KeyboardInterrupt
+
+
 def exit_code(e: BaseException) -> int | None:
     """The shell's code for a run ended by a signal (130 SIGINT, 143 SIGTERM), None for anything else."""
     if isinstance(e, Interrupted):
         return e.exit_code
-    if isinstance(e, KeyboardInterrupt):
+    if isinstance(e, KeyboardInterrupt) or _ctrl_c:
         return 128 + signal.SIGINT
     if type(e).__name__ == "TerminationSignal":  # Prefect's SIGTERM bridge, outside our guard
         return 128 + getattr(e, "signal", signal.SIGTERM)
@@ -61,7 +103,7 @@ def guard() -> Iterator[None]:
         yield
         return
     me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}  # e.g. Prefect's temporary API server: not ours
+    before = {p.pid for p in me.children(recursive=True)}  # not the stages' (nor is a service: processes.py)
     fired: list[int] = []
 
     def handle(signum: int, frame: FrameType | None) -> None:
@@ -72,6 +114,8 @@ def guard() -> Iterator[None]:
 
     previous = {s: signal.signal(s, handle) for s in SIGNALS}
     try:
+        if _ctrl_c and _deferring:  # a Ctrl-C while the command started: the stages do not begin
+            handle(signal.SIGINT, None)
         yield
     finally:
         try:

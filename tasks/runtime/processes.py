@@ -1,9 +1,9 @@
 """Processes a run starts and stops outside tasks/runtime/launch.py's spawned Python workers: a command in a
-session of its own (`vllm serve`, `vllm bench`), so that ending its process group also ends the children it spawned
-(vLLM's engine core and workers), noted by id; a child run to its end that says when its model has loaded (the
-lm-eval process); and, on an interrupt, every process group a run started (flows/interrupts.py). Each process
-started here, and each worker tasks/runtime/launch.py spawns, ends by itself when the process that started it dies
-without cleaning up (`kill -9`, the out-of-memory killer): die_with_parent."""
+session of its own (`vllm serve`, `vllm bench`, Prefect's temporary API server), so that ending its process group
+also ends the children it spawned (vLLM's engine core and workers), noted by id; a child run to its end that says
+when its model has loaded (the lm-eval process); and, on an interrupt, every process group a run started
+(flows/interrupts.py). Each process started here, and each worker tasks/runtime/launch.py spawns, ends by itself
+when the process that started it dies without cleaning up (`kill -9`, the out-of-memory killer): die_with_parent."""
 
 from __future__ import annotations
 
@@ -86,23 +86,31 @@ def exit_on_sigterm(grace_s: int = SIGTERM_GRACE_S) -> None:
     signal.signal(signal.SIGTERM, handle)
 
 
-def spawn_session(cmd: Sequence[str], log: Path, env: Mapping[str, str] | None, append: bool = False,
+# Sessions started as services this process uses to its very end (Prefect's temporary API server): an interrupt's
+# stop_started spares them, and whoever started one stops it.
+_services: set[int] = set()
+
+
+def spawn_session(cmd: Sequence[str], log: Path | None, env: Mapping[str, str] | None, append: bool = False,
                   niceness: int = 0, pass_fds: Sequence[int] = (),
-                  defaults: Mapping[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` in its own session (so its whole group can be ended by id), output to `log`, at `niceness`
-    (through nice(1), which execs the command: the session leader is still the command), with the file
-    descriptors `pass_fds` kept open in it. Its environment: `defaults` (which this process's own variables
+                  defaults: Mapping[str, str] | None = None, service: bool = False) -> subprocess.Popen:
+    """Start `cmd` in its own session (so its whole group can be ended by id, and a signal to this process's group,
+    a terminal's Ctrl-C or coreutils `timeout`'s, does not reach it), output to `log` (None: where this process's
+    goes), at `niceness` (through nice(1), which execs the command: the session leader is still the command), with
+    the file descriptors `pass_fds` kept open in it. Its environment: `defaults` (which this process's own variables
     override), this process's, then `env`. It gets SIGTERM should this process die (die_with_parent), which `vllm
-    serve` takes as a shutdown, its engine's included."""
+    serve` takes as a shutdown, its engine's included. A `service` is spared by stop_started."""
     if niceness:
         cmd = ["nice", "-n", str(niceness), *cmd]
-    with log.open("ab" if append else "wb") as log_file:
+    with log.open("ab" if append else "wb") if log else contextlib.nullcontext() as log_file:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
             env={**(defaults or {}), **os.environ, **(env or {})}, start_new_session=True, pass_fds=tuple(pass_fds),
             preexec_fn=_with_parent(),
         )
     _note_session(proc.pid)
+    if service:
+        _services.add(proc.pid)
     return proc
 
 
@@ -176,23 +184,37 @@ def run_to_end(cmd: Sequence[str], env: Mapping[str, str], ready: Path, on_ready
 
 def stop_started(parent: psutil.Process, before: set[int], grace_s: float) -> None:
     """SIGTERM each process group that holds a descendant of `parent` started after `before` was taken (the
-    parent's own group: those processes only), then SIGKILL what is left after `grace_s`."""
+    parent's own group: those processes only), then SIGKILL what is left after `grace_s`. Services (spawn_session's
+    `service`) are spared, and so is multiprocessing's resource tracker, which ignores SIGTERM (a wait of `grace_s`
+    for nothing) and ends by itself when this process exits, after it has freed what the spawned workers leaked."""
     try:
         started = [p for p in parent.children(recursive=True) if p.pid not in before]
     except psutil.NoSuchProcess:
         return
     own = os.getpgrp()
-    groups, loose = set(), []
+    tracker = _resource_tracker()
+    groups, loose, spared = set(), [], []
     for p in started:
         with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
             pgid = os.getpgid(p.pid)
-            (loose.append(p) if pgid == own else groups.add(pgid))
+            if pgid in _services or p.pid == tracker:
+                spared.append(p)
+            else:
+                (loose.append(p) if pgid == own else groups.add(pgid))
+    started = [p for p in started if p not in spared]
     _signal_all(groups, loose, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(_running(p) for p in started):
         time.sleep(0.1)
     _signal_all(groups, [p for p in loose if _running(p)], signal.SIGKILL)
     psutil.wait_procs(loose, timeout=5)
+
+
+def _resource_tracker() -> int | None:
+    """The pid of this process's multiprocessing resource tracker, if it started one."""
+    if "multiprocessing.resource_tracker" not in sys.modules:
+        return None
+    return getattr(sys.modules["multiprocessing.resource_tracker"]._resource_tracker, "_pid", None)
 
 
 def _signal_all(groups: set[int], loose: list[psutil.Process], sig: int) -> None:
