@@ -6,7 +6,6 @@ import atexit
 import gc
 import json
 import os
-import shutil
 import signal
 import sys
 import traceback
@@ -17,15 +16,15 @@ import click
 import typer
 from prefect.exceptions import FailedRun
 from rich.console import Console
-from rich.table import Table
 
 from quantgate.catalog.errors import QuantgateError
 from quantgate.catalog.load import load_catalog
 from quantgate.catalog.paths import DEFAULT_CATALOG
 from quantgate.catalog.selection import adhoc_model, resolve_variants
 from quantgate.flows import interrupts
+from quantgate.flows.cli_output import check_format, console, print_frame, print_rows, terminal_width, write_frame
 from quantgate.flows.reproduce import reproduce
-from quantgate.flows.verdicts import cell, model_notes, verdict_row
+from quantgate.flows.verdicts import model_notes, verdict_row
 from quantgate.warehouse import reads, sessions, transfer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Gate quantized LLM builds on quality and speed.")
@@ -33,7 +32,6 @@ catalog_app = typer.Typer(no_args_is_help=True, help="Inspect and validate the m
 app.add_typer(catalog_app, name="catalog")
 warehouse_app = typer.Typer(no_args_is_help=True, help="Open, import into and maintain the warehouse.")
 app.add_typer(warehouse_app, name="warehouse")
-console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 DEMO_MODEL = "smollm2-135m"
@@ -52,7 +50,6 @@ TemplateOpt = Annotated[Optional[str], typer.Option(
     help="catalog model whose variants, suite, calibration, scenarios and policy a model outside the catalog gets (default: the catalog's first)")]
 TokenizerOpt = Annotated[Optional[Path], typer.Option(
     help="for a shape: a model folder whose tokenizer (and chat template) its random-weights checkpoint carries, e.g. a smaller model of the family")]
-FORMATS = ("table", "csv", "json", "markdown")
 # What the end of a run and `quantgate checks` fit in: an 80-120 column terminal keeps every verdict on screen.
 TABLE_WIDTH = 100
 _debug = False
@@ -87,7 +84,7 @@ def run(
     # A Ctrl-C from here to the flow's stages (whose guard takes it over) or after them ends the command once it is
     # safe to: raised where it lands, inside an import, it can hang the command (flows/interrupts.py).
     with interrupts.ctrl_c_deferred():
-        _check_format(fmt)
+        check_format(fmt)
         cat = load_catalog(catalog or DEFAULT_CATALOG)
         chosen = resolve_variants(cat, model, variants.split(",")) if variants else None
         picked = _names(scenarios)
@@ -111,11 +108,11 @@ def run(
                                   remeasure=remeasure, gpus=gpus, template=template, tokenizer=folder)
     verdicts = [verdict_row(r) for r in card]
     if fmt != "table":
-        _print_frame(verdicts, fmt)
+        print_frame(verdicts, fmt)
         return
     for note in model_notes(card):
         console.print(note, highlight=False)
-    _print_rows(verdicts, ["variant", "decision", "deciding_check", "size", "speedup"], width=TABLE_WIDTH)
+    print_rows(verdicts, ["variant", "decision", "deciding_check", "size", "speedup"], width=TABLE_WIDTH)
     if card:
         model_id = card[0]["model_id"]
         console.print(f"every check: quantgate checks {model_id} [VARIANT]\n"
@@ -123,7 +120,7 @@ def run(
         with sessions.session(warehouse, read_only=True) as con:
             stages = reads.stage_summary(con, card[0]["run_id"])
             timeline = reads.run_timeline(con, card[0]["run_id"])
-        _print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"], width=TABLE_WIDTH)
+        print_rows(stages, ["stage", "checkpoints", "seconds", "busiest_s", "engine_starts", "reused"], width=TABLE_WIDTH)
         for t in timeline:
             console.print(f"run {t['run_id']}: {t['wall_seconds']:.1f} s from start to decisions, "
                           f"{t['engine_starts']} engine start(s)")
@@ -139,7 +136,7 @@ def checks(
 ) -> None:
     """Every check behind a model's verdicts, in the order the policy applies them: outcome, value against
     threshold with its interval, and the full reason."""
-    _check_format(fmt)
+    check_format(fmt)
     with sessions.session(warehouse, read_only=True) as con:
         run_id = run_id or reads.latest_run(con, model)
         if run_id is None:
@@ -148,9 +145,9 @@ def checks(
     if not found:
         raise typer.BadParameter(f"run {run_id} has no checks{f' for variant {variant!r}' if variant else ''}")
     if fmt != "table":
-        _print_frame(found, fmt)
+        print_frame(found, fmt)
         return
-    _print_rows(found, ["variant", "outcome", "note"], width=TABLE_WIDTH)  # the note names the check and its figures
+    print_rows(found, ["variant", "outcome", "note"], width=TABLE_WIDTH)  # the note names the check and its figures
 
 
 app.command()(reproduce)  # flows/reproduce.py: the lm_eval commands of a run's stored evaluations
@@ -204,7 +201,7 @@ def gpu_suite_cmd(
                       shape=shape, suite=str(suite) if suite else None,
                       parts=parts.split(",") if parts else None, deadline_s=deadline_s, grace_s=grace_s,
                       gpus=gpus.split(",") if gpus else None)
-    _print_rows(steps, ["step_index", "part", "engine", "build", "status", "seconds", "reason"])
+    print_rows(steps, ["step_index", "part", "engine", "build", "status", "seconds", "reason"])
 
 
 @app.command("bench-endpoint")
@@ -238,7 +235,7 @@ def bench_endpoint_cmd(
         api_key_env=api_key_env, prompt_format=prompt_format, tokenizer=str(tokenizer) if tokenizer else None,
         vllm_extras=vllm_extras, device=device, num_devices=num_devices, variant_uid=variant_uid,
         catalog=str(catalog) if catalog else None, warehouse=str(warehouse) if warehouse else None, timeout_s=timeout_s)
-    _print_rows(rows, ["scenario", "status", "server", "server_version", "tokens_per_s", "ttft_ms", "tpot_ms",
+    print_rows(rows, ["scenario", "status", "server", "server_version", "tokens_per_s", "ttft_ms", "tpot_ms",
                        "usd_per_million_output_tokens_at_slo", "slo_load", "reason"])
     if any(r["status"] != "ok" for r in rows):
         raise typer.Exit(1)
@@ -282,7 +279,7 @@ def nightly(
     rows = nightly_flow(catalog=str(catalog) if catalog else None, warehouse=str(warehouse) if warehouse else None,
                         workdir=str(workdir) if workdir else None, all_models=all_models, models=model or None,
                         evaluate_deployment=deployment)
-    _print_rows(rows, ["model", "action", "status", "reason", "flow_run_id"])
+    print_rows(rows, ["model", "action", "status", "reason", "flow_run_id"])
 
 
 @app.command()
@@ -303,7 +300,7 @@ def watch(
     rows = watch_releases(catalog=str(catalog) if catalog else None, warehouse=str(warehouse) if warehouse else None,
                           workdir=str(workdir) if workdir else None, released=released or None, template=template,
                           listing_file=str(listing_file) if listing_file else None, evaluate_deployment=deployment)
-    _print_rows(rows, ["model_id", "sha", "source", "action", "flow_run_id"])
+    print_rows(rows, ["model_id", "sha", "source", "action", "flow_run_id"])
 
 
 @app.command()
@@ -315,7 +312,7 @@ def sql(
     """Run a read-only SQL query against the warehouse and print the result."""
     import duckdb
 
-    _check_format(fmt)
+    check_format(fmt)
     # Read-only and shut off from the file system: a query can change neither the warehouse nor any file.
     with sessions.session(warehouse, read_only=True, sandbox=True) as con:
         try:
@@ -330,29 +327,9 @@ def sql(
         if rel is None:
             return
         if fmt == "table":  # DuckDB's own box rendering, as its CLI prints it
-            rel.show(max_width=_width(), max_rows=10_000, max_col_width=120, null_value="NULL")
+            rel.show(max_width=terminal_width(), max_rows=10_000, max_col_width=120, null_value="NULL")
             return
-        _write_frame(rel.df(), fmt)
-
-
-def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise typer.BadParameter(f"unknown format {fmt!r}: use {', '.join(FORMATS)}", param_hint="--format")
-
-
-def _print_frame(rows: list[dict], fmt: str) -> None:
-    import pandas as pd
-
-    _write_frame(pd.DataFrame(rows), fmt)
-
-
-def _write_frame(df: Any, fmt: str) -> None:
-    if fmt == "csv":
-        sys.stdout.write(df.to_csv(index=False))
-    elif fmt == "json":
-        sys.stdout.write(df.to_json(orient="records", date_format="iso", indent=1) + "\n")
-    else:
-        sys.stdout.write(df.to_markdown(index=False) + "\n")
+        write_frame(rel.df(), fmt)
 
 
 @app.command()
@@ -374,14 +351,14 @@ def report(
         rows = reads.latest_scorecards(con, model)
     if moved:
         console.print("[bold]Changes beyond noise since the previous run[/bold] (worse first)")
-        _print_rows(moved, ["kind", "model_id", "variant", "measure", "previous_value", "value", "delta", "noise",
+        print_rows(moved, ["kind", "model_id", "variant", "measure", "previous_value", "value", "delta", "noise",
                             "change", "basis"])
     else:
         console.print("No regressions: nothing moved beyond noise since the previous run.")
     for model_id in sorted({r["model_id"] for r in rows}):
         for note in model_notes([r for r in rows if r["model_id"] == model_id]):
             console.print(note, highlight=False)
-    _print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "quality_lower_bound", "kl",
+    print_rows(rows, ["model_id", "variant", "bits", "size_ratio", "quality_recovery", "quality_lower_bound", "kl",
                        "long_context", "flip_rate", "speedup", "speedup_basis", "decision", "reason"])
 
 
@@ -429,7 +406,7 @@ def warehouse_import(
 
     with sessions.session(warehouse) as con:
         added = legacy.import_duckdb(con, old)
-    _print_rows([{"table": t, "rows_added": n} for t, n in added.items()], ["table", "rows_added"])
+    print_rows([{"table": t, "rows_added": n} for t, n in added.items()], ["table", "rows_added"])
 
 
 @warehouse_app.command("maintain")
@@ -448,22 +425,6 @@ def catalog_validate(path: Annotated[Path, typer.Argument(help="catalog YAML")] 
     cat = load_catalog(path)
     console.print(f"{path}: ok — {len(cat.models)} models, {len(cat.variants)} variants, {len(cat.suites)} suites,"
                   f" {len(cat.scenarios)} scenarios, policy v{cat.policy.version} ({cat.policy.hash[:12]})")
-
-
-def _width() -> int:
-    return max(shutil.get_terminal_size((200, 50)).columns, 120)
-
-
-def _print_rows(rows: list[dict], columns: list[str], width: int | None = None) -> None:
-    table = Table(show_lines=False)
-    # `width` caps the table at the terminal's width or at `width`, whichever is narrower.
-    console.width = min(shutil.get_terminal_size((width, 50)).columns, width) if width else _width()
-    for c in columns:
-        table.add_column(c, overflow="fold")
-    for r in rows:
-        table.add_row(*[cell(r.get(c)) for c in columns])
-    console.print(table)
-    console.print(f"{len(rows)} row{'s' if len(rows) != 1 else ''}")
 
 
 def main() -> None:
