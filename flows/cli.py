@@ -106,6 +106,11 @@ def run(
                                   warehouse=str(warehouse) if warehouse else None, variants=chosen,
                                   workdir=str(workdir) if workdir else None, scenarios=picked, engines=kept,
                                   remeasure=remeasure, gpus=gpus, template=template, tokenizer=folder)
+    _print_run(card, fmt, warehouse)
+
+
+def _print_run(card: list[dict], fmt: str, warehouse: Path | None) -> None:
+    """The end of `run`: each variant's verdict and the check that made it, then where the time went."""
     verdicts = [verdict_row(r) for r in card]
     if fmt != "table":
         print_frame(verdicts, fmt)
