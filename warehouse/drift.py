@@ -8,8 +8,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from quantgate.catalog.records import MetricResult, QualityReport, SampleResult
-from quantgate.warehouse.reads import rows
+from quantgate.catalog.records import QualityReport, SampleResult
+from quantgate.warehouse.reads import quality_metrics, rows
 from quantgate.warehouse.statements import delete, now, transaction
 
 _DRIFT_COLUMNS = ("task", "metric", "filter", "items", "higher_is_better", "previous_value", "value", "ratio", "lower",
@@ -35,13 +35,11 @@ def evaluation_measured_in(con, run_id: str, variant_uid: str, eval_key: str) ->
                       " AND run_id = ? AND status = 'ok'", [variant_uid, eval_key, run_id])
     if not found:
         return None
-    metrics = rows(con, "SELECT task, metric, filter, value, stderr, n_samples, task_version, higher_is_better"
-                        " FROM quality_results WHERE variant_uid = ? AND eval_key = ?", [variant_uid, eval_key])
     samples = rows(con, "SELECT task, doc_id, metric, value, detail, filter FROM quality_samples"
                         " WHERE variant_uid = ? AND eval_key = ? ORDER BY task, metric, filter, doc_id",
                    [variant_uid, eval_key])
     return QualityReport(eval_key=eval_key, evaluator=found[0]["evaluator"], config=_json(found[0]["config"]),
-                         metrics=[MetricResult(**m) for m in metrics],
+                         metrics=quality_metrics(con, variant_uid, eval_key),
                          samples=[SampleResult(**{**s, "detail": _json(s["detail"])}) for s in samples],
                          seconds=found[0]["seconds"])
 
