@@ -109,10 +109,9 @@ def serve_sweep(
     plain = scenario.model_copy(update={"sweep": None})
     weight_only = has_weight_only_int_layers(model_path)
     runs = [point_applies(point, weight_only) for point in points]
-    deadline = clock() + timeout_s
     # The points' waits for the GPU (memory for each server's start, the GPU alone for its loads) are not the sweep's
-    # time: the deadline moves by them (launch.Deadline).
-    waited = launch.waited_s()
+    # time: the deadline moves by them.
+    deadline = launch.Deadline(timeout_s, clock)
     run_point = _PointRun(serve or serve_scenario, model_path, scenario_name, plain, Path(work_dir), options)
     # Where engines start beside other work (a GPU clock), a forced kernel that applies starts with the defaults:
     # whether it runs depends on nothing they measure, so its start overlaps the unmeasured work instead of
@@ -126,7 +125,7 @@ def serve_sweep(
         if i in ahead:
             measured = _tagged(ahead[i].result(), tag)
         else:
-            remaining = deadline + launch.waited_s() - waited - clock()
+            remaining = deadline.remaining()
             if skip := _skip_reason(point, runs[i], remaining, plain, out[0][0] if out else None):
                 config = {**plain.model_dump(mode="json"), "sweep": tag}
                 measured = (SpeedResult("vllm", sweep_row_name(scenario_name, point), "skipped", skip, config), [])
