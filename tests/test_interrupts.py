@@ -46,6 +46,15 @@ def _session(sid: int) -> list[psutil.Process]:
     return left
 
 
+def wait_paused(proc: subprocess.Popen, paused: Path, point: str) -> None:
+    """Until the run's fault point `point` has paused it and noted where (`paused`), failing if the run ends first."""
+    deadline = time.monotonic() + 300
+    while not (paused.exists() and paused.read_text().strip()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"never reached {point}"
+        time.sleep(0.2)
+
+
 def interrupt(args: list[str], prefect_api: str, point: str, sig: int, tmp: Path) -> tuple[int, str, list[int]]:
     """Start `quantgate ARGS`, wait until it is paused at `point`, send `sig`: (exit code, stderr, pids paused)."""
     paused = tmp / f"paused-{point}-{sig}"
@@ -54,11 +63,7 @@ def interrupt(args: list[str], prefect_api: str, point: str, sig: int, tmp: Path
     proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while not (paused.exists() and paused.read_text().strip()):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, f"never reached {point}"
-            time.sleep(0.2)
+        wait_paused(proc, paused, point)
         pids = [int(line.split()[1]) for line in paused.read_text().splitlines()]
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
@@ -130,11 +135,7 @@ def interrupt_group(args: list[str], point: str, sig: int, kill_server: bool, tm
                             start_new_session=True)
     started: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 300
-        while not (paused.exists() and paused.read_text().strip()):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, f"never reached {point}"
-            time.sleep(0.2)
+        wait_paused(proc, paused, point)
         started = psutil.Process(proc.pid).children(recursive=True)
         servers = [p for p in started if "uvicorn" in " ".join(p.cmdline())]
         assert len(servers) == 1, [p.cmdline() for p in started]
