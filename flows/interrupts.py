@@ -44,6 +44,17 @@ class Interrupted(BaseException):
 
 _ctrl_c: list[int] = []
 _deferring: list[bool] = []
+# The signal and stages of the interrupt `guard` is unwinding, from its handler until the next `guard` begins.
+_stopping: list[Interrupted] = []
+
+
+def refuse_results() -> None:
+    """Raise the run's interrupt where a stage would store a result after it: once the run is stopping, the processes
+    it started are being ended, and a stage's thread that then sees its worker die (read as a failed build, a failed
+    evaluation, an engine that died) must not store that as the stage's outcome; the rerun does the stage again. Only
+    the run's own row records the interrupt."""
+    if _stopping:
+        raise Interrupted(_stopping[0].signum, _stopping[0].stages)
 
 
 def note_ctrl_c() -> None:
@@ -105,12 +116,15 @@ def guard() -> Iterator[None]:
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}  # not the stages' (nor is a service: processes.py)
     fired: list[int] = []
+    _stopping.clear()
 
     def handle(signum: int, frame: FrameType | None) -> None:
         if fired:  # already unwinding: a second Ctrl-C must not cut the cleanup short
             return
         fired.append(signum)
-        raise Interrupted(signum, ", ".join(progress.stages()) or "startup")
+        interrupt = Interrupted(signum, ", ".join(progress.stages()) or "startup")
+        _stopping.append(interrupt)  # before the raise: stage threads stop storing at once (refuse_results)
+        raise interrupt
 
     previous = {s: signal.signal(s, handle) for s in SIGNALS}
     try:

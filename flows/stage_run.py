@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from prefect import get_run_logger
 
 from quantgate.catalog.stages import Stage
-from quantgate.flows import progress
+from quantgate.flows import interrupts, progress
 from quantgate.tasks.runtime import faults
 from quantgate.warehouse import lake, ledger, sessions, statements
 
@@ -57,7 +57,9 @@ class StageRun:
     def stage(self, stage: Stage, item: str = "", detail: str | None = None, started: datetime | None = None,
               engine_starts: int = 0) -> Iterator[StageCommit]:
         """One transaction for a stage's rows and its completion mark: after a crash both are there or neither.
-        The body may set the mark's detail on what it yields, once its rows say what it is."""
+        The body may set the mark's detail on what it yields, once its rows say what it is. Nothing is stored once
+        the run is being interrupted (interrupts.refuse_results)."""
+        interrupts.refuse_results()
         with sessions.session(self.wh) as con, statements.transaction(con):
             commit = StageCommit(con, detail)
             yield commit

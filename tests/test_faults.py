@@ -283,3 +283,45 @@ def test_a_warehouse_from_before_run_stages_keeps_its_rows_and_is_never_resumed(
         # Its unfinished run has no attempts to tell whether it is still at work: a rerun starts afresh.
         assert _begin(con, "a1") == ("a1", False)
         assert con.execute("SELECT status FROM runs WHERE run_id = 'r1'").fetchone()[0] == "running"
+
+
+def test_nothing_is_stored_once_the_run_is_interrupted(tmp_path):
+    """A stage's thread that finishes after the run's SIGINT (its build worker ended by the interrupt's cleanup, read
+    as a failed build: seen on the H100, where the rerun then took the stored failure as the build's outcome) stores
+    nothing: it gets the run's interrupt instead, and the rerun does the stage again. Before the signal it stores."""
+    import signal
+    import threading
+
+    from quantgate.catalog.stages import Stage
+    from quantgate.flows import interrupts
+    from quantgate.flows.stage_run import StageRun
+
+    wh = tmp_path / "w.ducklake"
+    with sessions.session(wh) as con:
+        run_id, _ = _begin(con, "a1")
+    run = StageRun(str(wh), run_id, "a1")
+    signalled, outcome = threading.Event(), []
+
+    def late_stage() -> None:  # a build's thread, its result in after the signal
+        signalled.wait(30)
+        try:
+            with run.stage(Stage.QUANTIZE, "late", "failed: worker ended"):
+                pass
+        except interrupts.Interrupted as e:
+            outcome.append(str(e))
+
+    with run.stage(Stage.QUANTIZE, "early"):
+        pass
+    thread = threading.Thread(target=late_stage)
+    thread.start()
+    with pytest.raises(interrupts.Interrupted), interrupts.guard():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the handler raises here
+    signalled.set()
+    thread.join(30)
+    assert outcome == ["interrupted (SIGINT) during startup"]
+    with sessions.session(wh, read_only=True) as con:
+        assert set(ledger.completed_stages(con, run_id)) == {("quantize", "early")}
+    with interrupts.guard():  # the next run's guard stores again
+        with run.stage(Stage.QUANTIZE, "late"):
+            pass

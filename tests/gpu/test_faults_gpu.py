@@ -70,7 +70,7 @@ suites:
     batch_size: 8
 scenarios:
   gpu-tiny: {{kind: offline, engines: [vllm], device: cuda, num_prompts: 16, input_len: 32, output_len: 16,
-             max_model_len: 64, enforce_eager: true, warmup: 1, repetitions: 2}}
+             max_model_len: 64, enforce_eager: true, warmup: 1, repetitions: 3}}
 models:
   - id: tiny
     source: {{kind: local, path: {TINY_MODEL}}}
