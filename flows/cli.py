@@ -441,6 +441,7 @@ def main() -> None:
     # only objects in reference cycles are not finalized, which Python does not promise at exit anyway.
     atexit.register(gc.freeze)
     interrupts.note_ctrl_c()
+    interrupts.exit_if_stuck()
     try:
         code = app(standalone_mode=False)
         # Typer returns a command's typer.Exit code, and 130 for a KeyboardInterrupt (a Ctrl-C before or after a

@@ -15,8 +15,12 @@ ends a cancelled one: Cancelled, process exit 0, nothing to retry.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 from typing import NoReturn
@@ -28,6 +32,8 @@ from quantgate.tasks.runtime import processes
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 10.0
+# The promise to a user's Ctrl-C and a supervisor's SIGTERM: the process is gone within 30 s of the signal.
+EXIT_WITHIN_S = 25.0
 
 
 class Interrupted(BaseException):
@@ -44,6 +50,7 @@ class Interrupted(BaseException):
 
 _ctrl_c: list[int] = []
 _deferring: list[bool] = []
+_exit_if_stuck: list[bool] = []
 # The signal and stages of the interrupt `guard` is unwinding, from its handler until the next `guard` begins.
 _stopping: list[Interrupted] = []
 
@@ -71,6 +78,25 @@ def note_ctrl_c() -> None:
             signal.default_int_handler(signum, frame)
 
     signal.signal(signal.SIGINT, handle)
+
+
+def exit_if_stuck() -> None:
+    """In a process that is the run and ends with it (the CLI; not a test calling the flow in-process): should it not
+    have exited EXIT_WITHIN_S after an interrupt (a cleanup waiting on something the interrupt stopped: seen once on
+    the H100, a SIGINT while a speed engine held the GPU alone), every thread's stack goes to stderr, what the run
+    started is ended and the process exits with the signal's code; the run's row stays running, and the next run
+    takes the attempt as abandoned and resumes it."""
+    _exit_if_stuck.append(True)
+
+
+def _exit_anyway(interrupt: Interrupted, me: psutil.Process, before: set[int]) -> None:
+    time.sleep(EXIT_WITHIN_S)  # the process exits before, as it should, and this thread (a daemon) with it
+    print(f"quantgate: still stopping {EXIT_WITHIN_S:g} s after {signal.Signals(interrupt.signum).name}; its"
+          " threads were at:", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    processes.stop_started(me, before, 2.0)
+    print(f"error: {interrupt}", file=sys.stderr, flush=True)
+    os._exit(interrupt.exit_code)
 
 
 @contextlib.contextmanager
@@ -124,6 +150,9 @@ def guard() -> Iterator[None]:
         fired.append(signum)
         interrupt = Interrupted(signum, ", ".join(progress.stages()) or "startup")
         _stopping.append(interrupt)  # before the raise: stage threads stop storing at once (refuse_results)
+        if _exit_if_stuck:
+            threading.Thread(target=_exit_anyway, args=(interrupt, me, before), name="quantgate-exit",
+                             daemon=True).start()
         raise interrupt
 
     previous = {s: signal.signal(s, handle) for s in SIGNALS}

@@ -231,3 +231,32 @@ def test_a_ctrl_c_before_the_flow_exits_130(tmp_path, after_s):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+STUCK = """
+import os, signal, threading, time
+from quantgate.flows import interrupts
+interrupts.EXIT_WITHIN_S = 1.0
+interrupts.exit_if_stuck()
+
+def cleanup_that_never_ends():
+    threading.Event().wait()
+
+try:
+    with interrupts.guard():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+finally:
+    cleanup_that_never_ends()
+"""
+
+
+def test_a_run_whose_cleanup_hangs_after_a_signal_still_exits_with_its_code_and_says_where_it_hung():
+    """The CLI's promise to a signal (gone within 30 s, exit 143) holds even when a cleanup on the way out waits
+    forever: its stack is printed (what hung, for the fix), then the interrupt's one error line, then the exit."""
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert "still stopping 1 s after SIGTERM" in done.stderr and "cleanup_that_never_ends" in done.stderr
+    assert error_lines(done.stderr) == ["error: interrupted (SIGTERM) during startup"], done.stderr
