@@ -6,6 +6,8 @@ speed rows carry the same windows)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -393,3 +395,56 @@ def test_launch_exports_the_clock_it_does_not_define():
     assert not [name for name, value in vars(launch).items() if isinstance(value, contextvars.ContextVar)]
     with launch.gpu_clock() as clock:
         assert gpu_clock.current_clock() is clock and launch.starts_beside()
+
+
+class _Sleeper:
+    """An engine process as start_then_measure sees one: a real process leading its own group, at the niceness it
+    was started at, stopped on leaving."""
+
+    def __init__(self, niceness: int) -> None:
+        self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True,
+                                     preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+        self.pid = self.proc.pid
+
+    def __enter__(self) -> _Sleeper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_an_engine_process_starts_beside_shared_work_and_measures_alone_at_normal_priority():
+    """start_then_measure, the order every engine process a backend starts keeps: its start (at the niceness of
+    starts) while a build shares the GPU, its measurement only once the build is done, back at niceness 0; a retry's
+    slot holds the GPU alone before its start. Stopped before the GPU is given back."""
+    log: list = []
+    seen: dict = {}
+    with launch.gpu_clock():
+        import contextvars
+
+        def measure(started: _Sleeper, window: launch.GpuWindow) -> str:
+            log.append(("measure", time.monotonic()))
+            seen["niceness"] = os.getpriority(os.PRIO_PROCESS, started.pid)
+            seen["alive"] = started.proc.poll() is None
+            return "measured"
+
+        def start(niceness: int) -> _Sleeper:
+            log.append(("start", time.monotonic()))
+            seen["started_at"] = niceness
+            return _Sleeper(niceness)
+
+        build = threading.Thread(target=contextvars.copy_context().run, args=(_span, launch.sharing, log, "build", 0.6))
+        build.start()
+        time.sleep(0.1)
+        assert launch.start_then_measure(launch.Slot("a test's engine", 1 << 20), start, measure) == "measured"
+        build.join(10)
+        alone: list = []
+        retry = launch.Slot.for_try("a test's engine", 1 << 20, tried=1)
+        assert retry.alone_from_start and retry.memory_bytes == 0
+        assert launch.start_then_measure(retry, lambda n: alone.append(n) or _Sleeper(n), lambda s, w: "again") == "again"
+    [(_, b0, b1)] = [e for e in log if e[0] == "build"]
+    (started,), (measured,) = [e[1] for e in log if e[0] == "start"], [e[1] for e in log if e[0] == "measure"]
+    assert b0 < started < b1 < measured  # started beside the build, measured after it
+    assert seen["started_at"] == launch.start_niceness() and seen["niceness"] == 0 and seen["alive"]
+    assert alone == [0]  # a retry starts alone, at normal priority

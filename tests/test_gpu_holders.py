@@ -131,8 +131,8 @@ def test_a_speed_engine_short_of_memory_answers_failed_without_starting(tmp_path
     """in_process_group (a speed session's engine process) answers ("failed", the line): no process starts."""
     out = tmp_path / "engine.txt"
     with launch.gpu_clock(_gpu(90).read, _Holders(HOLDERS[:1])):
-        status, why = launch.in_process_group(_engine, (str(out),), 60, memory_bytes=30 * GIB,
-                                              what="vllm's engine on qwen-0.5b")
+        status, why = launch.in_process_group(_engine, (str(out),), 60,
+                                              slot=launch.Slot("vllm's engine on qwen-0.5b", 30 * GIB))
     assert status == "failed"
     assert why.startswith("GPU 0 has 10.0 GiB free of 100.0 GiB, vllm's engine on qwen-0.5b needs 30.0 GiB")
     assert not out.exists()

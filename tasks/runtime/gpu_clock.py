@@ -18,10 +18,13 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from quantgate.catalog.errors import QuantgateError
 from quantgate.tasks.runtime.telemetry import GpuHolder, device_memory, gpu_holders, visible_gpu
+
+R = TypeVar("R")
+S = TypeVar("S", bound="Started")
 
 
 # An engine's start beside other work leaves this share of the GPU's memory free for the unmeasured work that starts
@@ -391,34 +394,78 @@ def set_gate(answers: Any, go: Any) -> None:
     _GATE = (answers, go)
 
 
+@dataclass(frozen=True)
+class Slot:
+    """What one engine start of a speed job asks of its GPU clock: the memory its start takes, which it waits for
+    beside unmeasured work before it starts (`what` names it in a GpuMemoryError), or, with `alone_from_start`, the
+    GPU alone from before its start (a retry after it ran out of memory: nothing else loads beside it). Its
+    measurement then has the GPU alone in either case (`measuring`)."""
+
+    what: str
+    memory_bytes: int = 0
+    alone_from_start: bool = False
+
+    @classmethod
+    def for_try(cls, what: str, memory_bytes: int, tried: int) -> Slot:
+        """The slot of an out-of-memory retry's try `tried` (0 first): the first shares the GPU while it loads,
+        a retry has it alone from the start."""
+        return cls(what, 0 if tried else memory_bytes, alone_from_start=tried > 0)
+
+
+class Started(Protocol):
+    """An engine process started for a measurement (a `vllm bench`, a `vllm serve`): its pid leads its process
+    group; leaving it stops it."""
+
+    pid: int
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> Any: ...
+
+
+def start_then_measure(slot: Slot, start: Callable[[int], S], measure: Callable[[S, GpuWindow], R]) -> R:
+    """The one way an engine process started here measures: started at the CPU niceness of starts
+    (`start(niceness)`), beside unmeasured work once its slot's memory is free, or with the GPU alone from the start;
+    then, loaded, with the GPU alone and back at normal priority, `measure(started, window)`; stopped (its
+    context's exit) before the GPU is given back. An engine in a process of our own (in_process_group) follows the
+    same order through ProcessHold and the gate."""
+    if slot.alone_from_start:
+        with measuring() as window, start(0) as started:
+            return measure(started, window)
+    with sharing(slot.memory_bytes, slot.what):
+        started = start(start_niceness())
+    with started, measuring() as window:
+        at_normal_priority(started.pid)
+        return measure(started, window)
+
+
 class ProcessHold:
     """What a parent holds of its GPU clock for a process it started (in_process_group), which measures through
-    the gate: a share of the GPU, with the memory its start needs, until the process has loaded (`measuring`), then
-    the GPU alone until it has ended. No clock: nothing held, no wait."""
+    the gate: a share of the GPU, with the memory its slot's start needs, until the process has loaded
+    (`measuring`), then the GPU alone until it has ended. No clock: nothing held, no wait."""
 
-    def __init__(self, memory_bytes: int = 0) -> None:
+    def __init__(self, slot: Slot) -> None:
         self._clock = _CLOCK.get()
-        self._memory_bytes = memory_bytes
+        self._slot = slot
         self._shared = self._alone = False
         self._waited = 0.0
 
-    def begin(self, start_alone: bool = False, what: str = "an engine's start") -> None:
-        """Before the process starts: share the GPU once it has the memory free (GpuClock.share: GpuMemoryError,
-        naming `what`, where it never has), or with `start_alone` hold it alone from the start (a retry after
-        running out of memory)."""
+    def begin(self) -> None:
+        """Before the process starts: share the GPU once it has the slot's memory free (GpuClock.share:
+        GpuMemoryError, naming the slot, where it never has), or hold it alone from the start."""
         if self._clock is None:
             return
-        if start_alone:
+        if self._slot.alone_from_start:
             self._waited, self._alone = self._clock.take(_RANK.get()), True
         else:
-            self._clock.share(self._memory_bytes, _RANK.get(), what)
+            self._clock.share(self._slot.memory_bytes, _RANK.get(), self._slot.what)
             self._shared = True
 
     def alone(self) -> float:
         """The process has loaded: its share ends, and it has the GPU alone once nothing shares it and no
         measurement of a lower rank waits. Returns the seconds waited for it, which its `measuring` reports."""
         if self._shared:
-            self._clock.unshare(self._memory_bytes)  # type: ignore[union-attr]
+            self._clock.unshare(self._slot.memory_bytes)  # type: ignore[union-attr]
             self._shared = False
         if self._clock is not None and not self._alone:
             self._waited, self._alone = self._clock.take(_RANK.get()), True
@@ -427,7 +474,7 @@ class ProcessHold:
     def release(self) -> None:
         """The process has ended (its engine's teardown included): what it held is free for other jobs."""
         if self._shared:
-            self._clock.unshare(self._memory_bytes)  # type: ignore[union-attr]
+            self._clock.unshare(self._slot.memory_bytes)  # type: ignore[union-attr]
             self._shared = False
         if self._alone:
             self._clock.give()  # type: ignore[union-attr]

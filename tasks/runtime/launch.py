@@ -39,6 +39,8 @@ from quantgate.tasks.runtime.gpu_clock import (
     GpuWindow,
     LaunchError,
     ProcessHold,
+    Slot,
+    Started,
     abort_clocks,
     at_normal_priority,
     current_clock,
@@ -51,6 +53,7 @@ from quantgate.tasks.runtime.gpu_clock import (
     sharing,
     short_of_memory,
     start_niceness,
+    start_then_measure,
     starts_beside,
     waited_s,
 )
@@ -61,9 +64,10 @@ __all__ = [
     "shared_slots", "submit", "LaunchError",
     # The GPU clock, which lives in tasks/runtime/gpu_clock.py.
     "HOLDERS_NAMED", "MEMORY_POLL_S", "MEMORY_WAIT_S", "START_HEADROOM", "START_NICENESS", "Deadline", "GpuClock",
-    "GpuMemoryError", "GpuWindow", "ProcessHold", "abort_clocks", "at_normal_priority", "current_clock",
+    "GpuMemoryError", "GpuWindow", "ProcessHold", "Slot", "Started", "abort_clocks", "at_normal_priority",
+    "current_clock",
     "freeze_heap", "gpu_clock", "measuring", "memory_wait_s", "ranked", "set_gate", "sharing", "short_of_memory",
-    "start_niceness", "starts_beside", "waited_s",
+    "start_niceness", "start_then_measure", "starts_beside", "waited_s",
 ]
 
 T = TypeVar("T")
@@ -265,7 +269,7 @@ def in_lanes(items: Iterable[T], lanes: Sequence[str | None], work: Callable[[T,
 
 def in_process_group(
     fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, log: Path | None = None, name: str = "quantgate",
-    start_alone: bool = False, memory_bytes: int = 0, what: str = "an engine's start",
+    slot: Slot = Slot("an engine's start"),
 ) -> tuple[str, Any]:
     """fn(*args) in a fresh spawned process that leads its own process group, its output (and that of what it
     starts) to `log`: ("ok", what it returned), or ("failed", a one-line reason) when it raised, died, or did
@@ -275,12 +279,12 @@ def in_process_group(
     shares a CUDA context or allocator state.
 
     Under a GPU clock the process shares the GPU until it enters `measuring()`, and has it alone from then until
-    it has ended (`measuring` is entered once per process); it starts once the GPU has `memory_bytes` free for it
-    (GpuClock.share: ("failed", GpuMemoryError's line) where it never has, `what` naming the start); `start_alone`
-    holds the GPU alone from the start (a retry after running out of memory)."""
-    hold = ProcessHold(memory_bytes)
+    it has ended (`measuring` is entered once per process); it starts once the GPU has its `slot`'s memory free
+    (GpuClock.share: ("failed", GpuMemoryError's line, naming the slot) where it never has), or holds the GPU alone
+    from the start where the slot says so (a retry after running out of memory): start_then_measure's order."""
+    hold = ProcessHold(slot)
     try:
-        hold.begin(start_alone, what)
+        hold.begin()
     except GpuMemoryError as e:  # nothing started yet
         return "failed", str(e)
     try:

@@ -201,11 +201,11 @@ class _EngineStart:
                 return Failure(one_line(e), None)
         paired = self.pair if not tried else None
         memory = self.need + (start_memory_bytes(self.pair[1], self.pair[0], self.engine_name) if self.pair else 0)
+        slot = launch.Slot.for_try(f"{self.engine_name}'s engine on {Path(self.model_path).name}", memory, tried)
         status, payload = launch.in_process_group(
             _measure_group, (self.model_path, self.engine_name, self.items, used, paired),
-            self.deadline.left() if tried else self.timeout_s, log,
-            name=f"quantgate-bench-{self.engine_name}", start_alone=tried > 0, memory_bytes=0 if tried else memory,
-            what=f"{self.engine_name}'s engine on {Path(self.model_path).name}",
+            self.deadline.left() if tried else self.timeout_s, log, name=f"quantgate-bench-{self.engine_name}",
+            slot=slot,
         )
         return payload if status == "ok" else Failure(payload, log)
 

@@ -189,16 +189,11 @@ class _BenchStart:
 
     def __call__(self, used: EngineOptions, tried: int) -> dict[str, Any] | Failure:
         bench_dir = self.work_dir / f"bench-{self.scenario_name}-{tried}"
+        slot = launch.Slot.for_try(f"vllm bench on {Path(self.model_path).name}",
+                                   start_memory_bytes(used, self.model_path, "vllm"), tried)
         try:
-            if tried:  # after running out of memory: started with the GPU alone, nothing else loading
-                with launch.measuring() as window, self._begin(used, bench_dir, 0) as bench:
-                    return self._measure(bench, window)
-            # Its start beside unmeasured work, at its lower CPU priority, like every engine's; its passes alone.
-            with launch.sharing(start_memory_bytes(used, self.model_path, "vllm"),
-                                f"vllm bench on {Path(self.model_path).name}"):
-                bench = self._begin(used, bench_dir, launch.start_niceness())
-            with bench, launch.measuring() as window:
-                return self._measure(bench, window)
+            return launch.start_then_measure(slot, lambda niceness: self._begin(used, bench_dir, niceness),
+                                             self._measure)
         except (ServingError, launch.GpuMemoryError) as e:  # the latter raised before the start: its line is why
             return Failure(str(e), bench_dir / "vllm_bench_throughput.log")
 
@@ -211,7 +206,6 @@ class _BenchStart:
                            ready_timeout_s=self.deadline.left(), niceness=niceness)
 
     def _measure(self, bench: StartedBench, window: launch.GpuWindow) -> dict[str, Any]:
-        launch.at_normal_priority(bench.pid)
         res = bench.measure(self.deadline.left())
         return {**res, "window": window.details()}
 

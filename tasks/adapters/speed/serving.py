@@ -65,16 +65,11 @@ class _ServerStart:
 
     def __call__(self, used: EngineOptions, tried: int) -> _Served | Failure:
         log = self.work / f"serve-{self.scenario_name}-{tried}.log"
+        slot = launch.Slot.for_try(f"vllm serve on {Path(self.model_path).name}",
+                                   start_memory_bytes(used, self.model_path, "vllm"), tried)
         try:
-            if tried:  # after running out of memory: started with the GPU alone, nothing else loading
-                with launch.measuring() as window, self._serve(used, log) as server:
-                    return self._measure(server, window, log)
-            # Beside unmeasured work, at its lower CPU priority, once the GPU has the memory it will take.
-            with launch.sharing(start_memory_bytes(used, self.model_path, "vllm"),
-                                f"vllm serve on {Path(self.model_path).name}"):
-                server = self._serve(used, log, launch.start_niceness())
-            with server, launch.measuring() as window:
-                return self._measure(server, window, log)
+            return launch.start_then_measure(slot, lambda niceness: self._serve(used, log, niceness),
+                                             lambda server, window: self._measure(server, window, log))
         except (ServingError, launch.GpuMemoryError) as e:  # the latter raised before the start: its line is why
             return Failure(str(e), log)
 
@@ -85,7 +80,6 @@ class _ServerStart:
     def _measure(self, server: ServerHandle, window: launch.GpuWindow, log: Path) -> _Served:
         """The loads, with the GPU alone, and the server stopped before it is given back; the time waited for the
         GPU is not the loads' (the deadline moves by it: launch.Deadline)."""
-        launch.at_normal_priority(server.pid)
         try:
             # The memory of the server's process group: idle engines of other jobs may hold some of the GPU.
             # Its peaks are read while NVML is open and the server is up.
