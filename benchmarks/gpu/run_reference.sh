@@ -11,7 +11,8 @@
 # QG_TOKENIZER=/path/to/a/family/model bash benchmarks/gpu/run_reference.sh --template qwen2.5-coder-1.5b-instruct.
 # QG_TIMEOUT_S (default 900) stops the run with SIGINT so that the export below still runs.
 # Writes to $OUT: run.md (wall time, stage times, verdicts), summary.md + summary.json (benchmarks/summarize.py
-# over the tables), log.txt, and reference_results.tar.gz (the tables as Parquet, the run's, engine and server logs).
+# over the tables), engine-starts.md (benchmarks/engine_starts.py), log.txt, and reference_results.tar.gz (the tables
+# as Parquet, the run's, engine and server logs).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$REPO"
@@ -69,7 +70,10 @@ sql() { "${QG[@]}" sql "$1" -w "$WH" -f markdown; }
 { "${QG[@]}" export "$RESULTS/parquet" --tables-only --warehouse "$WH" \
     && python3 benchmarks/summarize.py "$RESULTS/parquet" --out "$OUT"; } >>"$LOG" 2>&1 \
     || echo "summary failed (see log.txt)" | tee -a "$LOG"
-cp "$OUT"/run.md "$OUT"/summary.* "$RESULTS/" 2>/dev/null
+# Each speed engine's and server's start as vLLM logged it (weights, compile, graphs, KV cache): engine-starts.md.
+python3 benchmarks/engine_starts.py "$WORK" --out "$OUT/engine-starts.md" >>"$LOG" 2>&1 \
+    || echo "engine starts failed (see log.txt)" | tee -a "$LOG"
+cp "$OUT"/run.md "$OUT"/summary.* "$OUT"/engine-starts.md "$RESULTS/" 2>/dev/null
 # The run's own log (library output, progress bars) compressed beside the summary; of each engine and server
 # log its last 300 lines (what a failure's cause is in), so that every file comes back within the call's limits.
 runlog=$(sed -n 's/^log: //p' "$LOG" | head -1)
