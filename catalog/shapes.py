@@ -94,7 +94,65 @@ LLAMA31_70B_INSTRUCT: dict = {
     "vocab_size": 128256,
 }
 
-SHAPES: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT, "qwen2.5-14b-instruct": QWEN25_14B_INSTRUCT}
+# Qwen/Qwen3-30B-A3B config.json and generation_config.json, as published: a mixture of experts, every layer sparse
+# (128 experts of 768, 8 routed per token; 30.5B parameters, 3.3B active).
+QWEN3_30B_A3B: dict = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+QWEN3_30B_A3B_GENERATION: dict = {
+    "bos_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+}
+
+# Not a released model, and named so: Qwen3-30B-A3B with 4 of its 48 layers (3.1B parameters). An MoE whose every
+# layer is the real one, so that its builds (routers kept in 16 bits, 128 experts calibrated) and vLLM's fused-MoE
+# kernels at the real expert shapes run in minutes on one GPU (issue 43's MoE on the GPU), where the whole model's
+# builds would take the GPU for an hour.
+QWEN3_30B_A3B_4_LAYERS: dict = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "max_window_layers": 4}
+
+SHAPES: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT, "qwen2.5-14b-instruct": QWEN25_14B_INSTRUCT,
+                           "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-30b-a3b-4-layers": QWEN3_30B_A3B_4_LAYERS}
 # Each shape's generation_config.json, where its authors published one.
 GENERATION: dict[str, dict] = {"qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT_GENERATION,
-                               "qwen2.5-14b-instruct": QWEN25_7B_INSTRUCT_GENERATION}
+                               "qwen2.5-14b-instruct": QWEN25_7B_INSTRUCT_GENERATION,
+                               "qwen3-30b-a3b": QWEN3_30B_A3B_GENERATION,
+                               "qwen3-30b-a3b-4-layers": QWEN3_30B_A3B_GENERATION}

@@ -76,15 +76,27 @@ def test_a_shape_source_names_a_published_shape_or_a_config_relative_to_the_cata
     assert cat.models[0].source.config == str(config) and cat.models[0].source.name == "tiny-qwen2"
 
 
+def _parameters(shape: str) -> int:
+    return sum(math.prod(dims) for dims, _ in layout(SHAPES[shape]).values())
+
+
 def test_qwen25_14b_instruct_has_its_published_size():
     # 14.7B parameters as published (5120 hidden, 48 layers, untied 152064-token embeddings and head).
-    params = sum(math.prod(shape) for shape, _ in layout(SHAPES["qwen2.5-14b-instruct"]).values())
-    assert 14.6e9 < params < 14.9e9
+    assert 14.6e9 < _parameters("qwen2.5-14b-instruct") < 14.9e9
+
+
+def test_qwen3_30b_a3b_has_its_published_size_and_its_4_layers_their_share():
+    # 30.5B parameters as published; 4 of its 48 layers keep the embeddings and head (2 x 151936 x 2048) whole.
+    whole, four = _parameters("qwen3-30b-a3b"), _parameters("qwen3-30b-a3b-4-layers")
+    embeddings = 2 * 151936 * 2048
+    assert 30.4e9 < whole < 30.6e9
+    assert four - embeddings == pytest.approx((whole - embeddings) * 4 / 48, rel=1e-6)
 
 
 @pytest.mark.parametrize(("source", "says"), [
     ("{kind: shape, shape: qwen9-1t}", "models.0.source.shape: unknown shape 'qwen9-1t': known shapes are"
-                                       " ['qwen2.5-14b-instruct', 'qwen2.5-7b-instruct']"),
+                                       " ['qwen2.5-14b-instruct', 'qwen2.5-7b-instruct', 'qwen3-30b-a3b',"
+                                       " 'qwen3-30b-a3b-4-layers']"),
     ("{kind: shape}", "needs exactly one of 'shape'"),
     ("{kind: shape, shape: qwen2.5-7b-instruct, config: x.json}", "needs exactly one of 'shape'"),
     ("{kind: shape, config: missing/config.json}", "models.0.source: shape config"),
