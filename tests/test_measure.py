@@ -94,3 +94,84 @@ def test_the_bench_and_the_server_say_why_they_cannot_run_here(tmp_path):
     ((served, loads),) = measure(str(TINY_MODEL), "vllm", [("s", SERVING)], work_dir=tmp_path)
     assert (bench.engine, bench.status) == ("vllm-bench", "skipped") and "vllm" in bench.reason
     assert (served.engine, served.status, loads) == ("vllm", "skipped", []) and "vllm" in served.reason
+
+
+# --- a new backend, written from docs/architecture.md ("A speed backend", "How its engine gets the GPU") alone -----
+
+
+class _CountingEngine:
+    """The fixture backend's engine: a process of its own session that counts as fast as it can once told to, and
+    says how far it got; leaving it stops it."""
+
+    def __init__(self, niceness: int) -> None:
+        import subprocess
+        import sys
+
+        script = "import sys,time\nsys.stdin.readline()\nn,t=0,time.perf_counter()\n" \
+                 "while time.perf_counter()-t<0.2: n+=1\nprint(n, flush=True)\nsys.stdin.readline()\n"
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True,
+                                     preexec_fn=(lambda: __import__("os").nice(niceness)) if niceness else None)
+        self.pid = self.proc.pid
+
+    def __enter__(self) -> _CountingEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def count(self) -> int:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+
+def counting_backend(source, engine, scenarios, *, work_dir, timeout_s, pair_with, on_point):
+    """The Backend signature; its engine's start declares a Slot and measures through launch.start_then_measure."""
+    from quantgate.catalog.records import SpeedResult
+    from quantgate.tasks.runtime import launch
+
+    out = []
+    for name, scenario in scenarios:
+        def measure(engine_process: _CountingEngine, window: launch.GpuWindow) -> SpeedResult:
+            counted = engine_process.count()
+            return SpeedResult(engine, name, "ok", None, {}, tokens_per_s=counted / 0.2, details=window.details())
+
+        row = launch.start_then_measure(launch.Slot(f"{engine} on {source}", 1 << 20), _CountingEngine, measure)
+        if on_point:
+            on_point(row, [])
+        out.append((row, []))
+    return out
+
+
+def test_a_backend_written_from_the_docs_measures_alone_through_measure(monkeypatch, tmp_path):
+    """Issue 41's check of the backend contract: a backend registered in BACKENDS, whose engine process starts
+    through launch.start_then_measure with its Slot, is chosen by `measure`, loads beside a build that shares the GPU
+    clock and measures only once the build is done, with its wait in the row; nothing in tasks/runtime/ knows it."""
+    import contextvars
+    import threading
+    import time
+
+    from quantgate.tasks.runtime import launch
+
+    monkeypatch.setitem(BACKENDS, "counting", BackendKind("tests.test_measure:counting_backend",
+                                                          engines=frozenset({"counting"})))
+    build: dict = {}
+
+    def a_build() -> None:
+        with launch.sharing():
+            build["from"] = time.monotonic()
+            time.sleep(1.0)
+            build["to"] = time.monotonic()
+
+    with launch.gpu_clock():
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(a_build,))
+        thread.start()
+        time.sleep(0.2)
+        ((row, loads),) = measure(str(tmp_path), "counting", [("c", SESSION)], work_dir=tmp_path)
+        measured_at = time.monotonic()
+        thread.join(10)
+    assert (row.engine, row.scenario, row.status, loads) == ("counting", "c", "ok", [])
+    assert row.tokens_per_s > 0
+    assert build["to"] <= measured_at and row.details["gpu_wait_s"] >= 0.5  # it waited for the build to end
