@@ -89,7 +89,13 @@ def exit_if_stuck() -> None:
     _exit_if_stuck.append(True)
 
 
-def _exit_anyway(interrupt: Interrupted, me: psutil.Process, before: set[int]) -> None:
+def _exit_anyway(wake: threading.Event, disarmed: list[bool], me: psutil.Process, before: set[int]) -> None:
+    """guard's watchdog, started with it (a signal handler starts no thread: the interrupted main thread may hold
+    the lock a thread's start takes): from the interrupt on, the process has EXIT_WITHIN_S to exit by itself."""
+    wake.wait()
+    if disarmed:  # the guard ended without an interrupt
+        return
+    interrupt = _stopping[0]
     time.sleep(EXIT_WITHIN_S)  # the process exits before, as it should, and this thread (a daemon) with it
     print(f"quantgate: still stopping {EXIT_WITHIN_S:g} s after {signal.Signals(interrupt.signum).name}; its"
           " threads were at:", file=sys.stderr, flush=True)
@@ -143,6 +149,10 @@ def guard() -> Iterator[None]:
     before = {p.pid for p in me.children(recursive=True)}  # not the stages' (nor is a service: processes.py)
     fired: list[int] = []
     _stopping.clear()
+    wake, disarmed = threading.Event(), []
+    if _exit_if_stuck:
+        threading.Thread(target=_exit_anyway, args=(wake, disarmed, me, before), name="quantgate-exit",
+                         daemon=True).start()
 
     def handle(signum: int, frame: FrameType | None) -> None:
         if fired:  # already unwinding: a second Ctrl-C must not cut the cleanup short
@@ -150,9 +160,7 @@ def guard() -> Iterator[None]:
         fired.append(signum)
         interrupt = Interrupted(signum, ", ".join(progress.stages()) or "startup")
         _stopping.append(interrupt)  # before the raise: stage threads stop storing at once (refuse_results)
-        if _exit_if_stuck:
-            threading.Thread(target=_exit_anyway, args=(interrupt, me, before), name="quantgate-exit",
-                             daemon=True).start()
+        wake.set()  # the watchdog's time runs from here (exit_if_stuck)
         raise interrupt
 
     previous = {s: signal.signal(s, handle) for s in SIGNALS}
@@ -167,6 +175,9 @@ def guard() -> Iterator[None]:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+            if not fired:
+                disarmed.append(True)
+                wake.set()
 
 
 def prefect_cancellation() -> str | None:

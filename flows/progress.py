@@ -28,7 +28,9 @@ class Step:
 Listener = Callable[[Step | None, Step | None], None]  # (step just completed or None, latest step in flight)
 _in_flight: dict[tuple[str, str], Step] = {}  # by (stage, item), in the order begun
 _listeners: list[Listener] = []
-_lock = threading.Lock()
+# Reentrant: the interrupt handler reads the stages in flight (stages()) in the main thread, which the signal may
+# have stopped inside this lock.
+_lock = threading.RLock()
 
 
 def current() -> Step | None:

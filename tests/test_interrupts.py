@@ -260,3 +260,26 @@ def test_a_run_whose_cleanup_hangs_after_a_signal_still_exits_with_its_code_and_
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert "still stopping 1 s after SIGTERM" in done.stderr and "cleanup_that_never_ends" in done.stderr
     assert error_lines(done.stderr) == ["error: interrupted (SIGTERM) during startup"], done.stderr
+
+
+INSIDE_PROGRESS = """
+import os, signal, time
+from quantgate.flows import interrupts, progress
+progress.begin("evaluate", "base")
+try:
+    with interrupts.guard():
+        with progress._lock:  # where the main thread is when the signal lands: the handler reads the same records
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+except interrupts.Interrupted as e:
+    print(e)
+"""
+
+
+def test_a_signal_that_lands_inside_the_live_views_lock_is_still_an_interrupt():
+    """The handler names the stages in flight from the live view's records, in the main thread, which the signal may
+    have stopped inside their lock: it must not wait for itself (a lock it cannot take would hang the run forever)."""
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INSIDE_PROGRESS], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "interrupted (SIGINT) during evaluate", done.stderr[-2000:]
