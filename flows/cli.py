@@ -441,7 +441,11 @@ def main() -> None:
     # only objects in reference cycles are not finalized, which Python does not promise at exit anyway.
     atexit.register(gc.freeze)
     interrupts.note_ctrl_c()
-    interrupts.exit_if_stuck()
+    with interrupts.exit_if_stuck():
+        _main()
+
+
+def _main() -> None:
     try:
         code = app(standalone_mode=False)
         # Typer returns a command's typer.Exit code, and 130 for a KeyboardInterrupt (a Ctrl-C before or after a

@@ -80,13 +80,20 @@ def note_ctrl_c() -> None:
     signal.signal(signal.SIGINT, handle)
 
 
-def exit_if_stuck() -> None:
-    """In a process that is the run and ends with it (the CLI; not a test calling the flow in-process): should it not
-    have exited EXIT_WITHIN_S after an interrupt (a cleanup waiting on something the interrupt stopped: seen once on
-    the H100, a SIGINT while a speed engine held the GPU alone), every thread's stack goes to stderr, what the run
-    started is ended and the process exits with the signal's code; the run's row stays running, and the next run
-    takes the attempt as abandoned and resumes it."""
+@contextlib.contextmanager
+def exit_if_stuck() -> Iterator[None]:
+    """Inside, the process is the run and ends with it (the CLI's `main`; not a process that goes on after a run,
+    such as a test calling the flow or `main` in-process): should it not have exited EXIT_WITHIN_S after an interrupt
+    (a cleanup waiting on something the interrupt stopped: seen once on the H100, a SIGINT while a speed engine held
+    the GPU alone), every thread's stack goes to stderr, what the run started is ended and the process exits with
+    the signal's code; the run's row stays running, and the next run takes the attempt as abandoned and resumes it.
+    Left without an interrupt, it is off again; after one it stays on, the process being on its way out."""
     _exit_if_stuck.append(True)
+    try:
+        yield
+    finally:
+        if not _stopping:
+            _exit_if_stuck.clear()
 
 
 def _exit_anyway(wake: threading.Event, disarmed: list[bool], me: psutil.Process, before: set[int]) -> None:

@@ -237,17 +237,35 @@ STUCK = """
 import os, signal, threading, time
 from quantgate.flows import interrupts
 interrupts.EXIT_WITHIN_S = 1.0
-interrupts.exit_if_stuck()
 
 def cleanup_that_never_ends():
     threading.Event().wait()
 
+with interrupts.exit_if_stuck():
+    try:
+        with interrupts.guard():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+    finally:
+        cleanup_that_never_ends()
+"""
+
+# A process that goes on after `main` (a test calling it in-process; CI's pytest, which the watchdog once ended
+# 25 s after a later test's own interrupt): once `main` is left without an interrupt, an interrupt starts no watchdog.
+LIVES_ON = """
+import os, signal, time
+from quantgate.flows import interrupts
+interrupts.EXIT_WITHIN_S = 1.0
+with interrupts.exit_if_stuck():
+    pass
 try:
     with interrupts.guard():
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
         time.sleep(30)
-finally:
-    cleanup_that_never_ends()
+except interrupts.Interrupted:
+    pass
+time.sleep(3)
+print("still here")
 """
 
 
@@ -260,6 +278,8 @@ def test_a_run_whose_cleanup_hangs_after_a_signal_still_exits_with_its_code_and_
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert "still stopping 1 s after SIGTERM" in done.stderr and "cleanup_that_never_ends" in done.stderr
     assert error_lines(done.stderr) == ["error: interrupted (SIGTERM) during startup"], done.stderr
+    lives_on = subprocess.run([sys.executable, "-c", LIVES_ON], capture_output=True, text=True, timeout=60)
+    assert (lives_on.returncode, lives_on.stdout.strip()) == (0, "still here"), lives_on.stderr[-2000:]
 
 
 INSIDE_PROGRESS = """
