@@ -96,11 +96,12 @@ def exit_if_stuck() -> Iterator[None]:
             _exit_if_stuck.clear()
 
 
-def _exit_anyway(wake: threading.Event, disarmed: list[bool], me: psutil.Process, before: set[int]) -> None:
+def _exit_anyway(wake: threading.Event, fired: list[int], me: psutil.Process, before: set[int]) -> None:
     """guard's watchdog, started with it (a signal handler starts no thread: the interrupted main thread may hold
-    the lock a thread's start takes): from the interrupt on, the process has EXIT_WITHIN_S to exit by itself."""
+    the lock a thread's start takes), woken by its interrupt or its end: from the interrupt on, the process has
+    EXIT_WITHIN_S to exit by itself."""
     wake.wait()
-    if disarmed:  # the guard ended without an interrupt
+    if not fired:  # the guard ended without an interrupt
         return
     interrupt = _stopping[0]
     time.sleep(EXIT_WITHIN_S)  # the process exits before, as it should, and this thread (a daemon) with it
@@ -156,9 +157,9 @@ def guard() -> Iterator[None]:
     before = {p.pid for p in me.children(recursive=True)}  # not the stages' (nor is a service: processes.py)
     fired: list[int] = []
     _stopping.clear()
-    wake, disarmed = threading.Event(), []
+    wake = threading.Event()
     if _exit_if_stuck:
-        threading.Thread(target=_exit_anyway, args=(wake, disarmed, me, before), name="quantgate-exit",
+        threading.Thread(target=_exit_anyway, args=(wake, fired, me, before), name="quantgate-exit",
                          daemon=True).start()
 
     def handle(signum: int, frame: FrameType | None) -> None:
@@ -182,9 +183,7 @@ def guard() -> Iterator[None]:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-            if not fired:
-                disarmed.append(True)
-                wake.set()
+            wake.set()  # after an interrupt, set already
 
 
 def prefect_cancellation() -> str | None:
