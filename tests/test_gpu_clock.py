@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from quantgate.tasks.adapters.model_memory import engine_overhead_bytes
 from quantgate.tasks.adapters.speed.options import SIZED_GPU_MEMORY_UTILIZATION, sized_kv_cache, start_memory_bytes
 from quantgate.tasks.adapters.speed.retry import fallback_options
 from quantgate.tasks.runtime import launch
+from tests.engine_process import EngineProcess
 
 
 def _span(clock_cm, log: list, name: str, seconds: float) -> None:
@@ -397,21 +397,9 @@ def test_launch_exports_the_clock_it_does_not_define():
         assert gpu_clock.current_clock() is clock and launch.starts_beside()
 
 
-class _Sleeper:
-    """An engine process as start_then_measure sees one: a real process leading its own group, at the niceness it
-    was started at, stopped on leaving."""
-
-    def __init__(self, niceness: int) -> None:
-        self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True,
-                                     preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
-        self.pid = self.proc.pid
-
-    def __enter__(self) -> _Sleeper:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.wait()
+def _sleeper(niceness: int) -> EngineProcess:
+    """An engine process as start_then_measure sees one, doing nothing."""
+    return EngineProcess(["sleep", "60"], niceness)
 
 
 def test_an_engine_process_starts_beside_shared_work_and_measures_alone_at_normal_priority():
@@ -423,16 +411,16 @@ def test_an_engine_process_starts_beside_shared_work_and_measures_alone_at_norma
     with launch.gpu_clock():
         import contextvars
 
-        def measure(started: _Sleeper, window: launch.GpuWindow) -> str:
+        def measure(started: EngineProcess, window: launch.GpuWindow) -> str:
             log.append(("measure", time.monotonic()))
             seen["niceness"] = os.getpriority(os.PRIO_PROCESS, started.pid)
             seen["alive"] = started.proc.poll() is None
             return "measured"
 
-        def start(niceness: int) -> _Sleeper:
+        def start(niceness: int) -> EngineProcess:
             log.append(("start", time.monotonic()))
             seen["started_at"] = niceness
-            return _Sleeper(niceness)
+            return _sleeper(niceness)
 
         build = threading.Thread(target=contextvars.copy_context().run, args=(_span, launch.sharing, log, "build", 0.6))
         build.start()
@@ -442,7 +430,7 @@ def test_an_engine_process_starts_beside_shared_work_and_measures_alone_at_norma
         alone: list = []
         retry = launch.Slot.for_try("a test's engine", 1 << 20, tried=1)
         assert retry.alone_from_start and retry.memory_bytes == 0
-        assert launch.start_then_measure(retry, lambda n: alone.append(n) or _Sleeper(n), lambda s, w: "again") == "again"
+        assert launch.start_then_measure(retry, lambda n: alone.append(n) or _sleeper(n), lambda s, w: "again") == "again"
     [(_, b0, b1)] = [e for e in log if e[0] == "build"]
     (started,), (measured,) = [e[1] for e in log if e[0] == "start"], [e[1] for e in log if e[0] == "measure"]
     assert b0 < started < b1 < measured  # started beside the build, measured after it

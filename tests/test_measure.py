@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from quantgate.tasks.adapters.speed.errors import BenchmarkError
 from quantgate.tasks.steps.measure import (
     BACKENDS, DEFAULT_BACKEND, Backend, BackendKind, backend_name, backend_of, measure,
 )
+from tests.engine_process import EngineProcess
 from tests.shared_data import TINY_MODEL
 
 SESSION = OfflineScenario(num_prompts=2, input_len=8, output_len=4, batch_size=2, repetitions=1, device="cpu")
@@ -99,27 +102,16 @@ def test_the_bench_and_the_server_say_why_they_cannot_run_here(tmp_path):
 # --- a new backend, written from docs/architecture.md ("A speed backend", "How its engine gets the GPU") alone -----
 
 
-class _CountingEngine:
+class _CountingEngine(EngineProcess):
     """The fixture backend's engine: a process of its own session that counts as fast as it can once told to, and
-    says how far it got; leaving it stops it."""
+    says how far it got."""
+
+    SCRIPT = ("import sys,time\nsys.stdin.readline()\nn,t=0,time.perf_counter()\n"
+              "while time.perf_counter()-t<0.2: n+=1\nprint(n, flush=True)\nsys.stdin.readline()\n")
 
     def __init__(self, niceness: int) -> None:
-        import subprocess
-        import sys
-
-        script = "import sys,time\nsys.stdin.readline()\nn,t=0,time.perf_counter()\n" \
-                 "while time.perf_counter()-t<0.2: n+=1\nprint(n, flush=True)\nsys.stdin.readline()\n"
-        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True,
-                                     preexec_fn=(lambda: __import__("os").nice(niceness)) if niceness else None)
-        self.pid = self.proc.pid
-
-    def __enter__(self) -> _CountingEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        super().__init__([sys.executable, "-c", self.SCRIPT], niceness, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
 
     def count(self) -> int:
         self.proc.stdin.write("go\n")
