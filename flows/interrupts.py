@@ -84,34 +84,73 @@ def note_ctrl_c() -> None:
 def exit_if_stuck() -> Iterator[None]:
     """Inside, the process is the run and ends with it (the CLI's `main`; not a process that goes on after a run,
     such as a test calling the flow or `main` in-process): should it not have exited EXIT_WITHIN_S after an interrupt
-    (a cleanup waiting on something the interrupt stopped: seen once on the H100, a SIGINT while a speed engine held
-    the GPU alone), every thread's stack goes to stderr, what the run started is ended and the process exits with
-    the signal's code; the run's row stays running, and the next run takes the attempt as abandoned and resumes it.
-    Left without an interrupt, it is off again; after one it stays on, the process being on its way out."""
+    (a cleanup waiting on something the interrupt stopped, or a main thread blocked in native code, where Python runs
+    no signal handler: seen on the H100, a SIGINT while a speed engine held the GPU alone), every thread's stack goes
+    to stderr, what the run started is ended and the process exits with the signal's code; the run's row stays
+    running, and the next run takes the attempt as abandoned and resumes it. `kill -USR1 PID` prints every thread's
+    stack at any time (faulthandler's own handler, which runs whatever the main thread is in). Left without an
+    interrupt, it is off again; after one it stays on, the process being on its way out."""
     _exit_if_stuck.append(True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         yield
     finally:
         if not _stopping:
             _exit_if_stuck.clear()
+            faulthandler.unregister(signal.SIGUSR1)
 
 
-def _exit_anyway(wake: threading.Event, fired: list[int], me: psutil.Process, before: set[int]) -> None:
-    """guard's watchdog, started with it (a signal handler starts no thread: the interrupted main thread may hold
-    the lock a thread's start takes), woken by its interrupt or its end: from the interrupt on, the process has
-    EXIT_WITHIN_S to exit by itself."""
-    wake.wait()
-    if not fired:  # the guard ended without an interrupt
-        return
-    interrupt = _stopping[0]
-    time.sleep(EXIT_WITHIN_S)  # the process exits before, as it should, and this thread (a daemon) with it
-    print(f"quantgate: still stopping {EXIT_WITHIN_S:g} s after {signal.Signals(interrupt.signum).name}; its"
-          " threads were at:", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(all_threads=True)
-    processes.stop_started(me, before, 2.0)
-    print(f"error: {interrupt}", file=sys.stderr, flush=True)
-    os._exit(interrupt.exit_code)
+class _Watchdog:
+    """guard's watchdog: a thread started with the guard (a signal handler starts no thread: the interrupted main
+    thread may hold the lock a thread's start takes) that reads the signals as they land from the C-level signal
+    handler's wakeup pipe (signal.set_wakeup_fd), so that it sees a SIGINT or SIGTERM even when the main thread never
+    gets back to Python to run the guard's handler. From that signal on, the process has EXIT_WITHIN_S to exit by
+    itself. The guard's end without an interrupt writes a zero byte, which ends the thread."""
 
+    def __init__(self, me: psutil.Process, before: set[int]) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # the C handler must never block on a full pipe
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, args=(me, before), name="quantgate-exit", daemon=True)
+        self._thread.start()
+
+    def interrupted(self, signum: int) -> None:
+        """An interrupt that came through no signal handler (a Ctrl-C held back while the command started)."""
+        os.write(self._write, bytes([signum]))
+
+    def close(self) -> None:
+        """The guard ended without an interrupt: the wakeup fd back as it was, the thread ended."""
+        signal.set_wakeup_fd(self._previous)
+        os.write(self._write, b"\0")
+        self._thread.join()
+        os.close(self._write)
+
+    def _watch(self, me: psutil.Process, before: set[int]) -> None:
+        try:
+            signum = self._first_interrupt()
+        finally:
+            os.close(self._read)
+        if signum is None:
+            return
+        time.sleep(EXIT_WITHIN_S)  # the process exits before, as it should, and this thread (a daemon) with it
+        # The guard's handler made the interrupt, unless the main thread never got to run it.
+        interrupt = _stopping[0] if _stopping else Interrupted(
+            signum, ", ".join(progress.stages(wait_s=1.0)) or "startup")
+        print(f"quantgate: still stopping {EXIT_WITHIN_S:g} s after {signal.Signals(interrupt.signum).name}; its"
+              " threads were at:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        processes.stop_started(me, before, 2.0)
+        print(f"error: {interrupt}", file=sys.stderr, flush=True)
+        os._exit(interrupt.exit_code)
+
+    def _first_interrupt(self) -> int | None:
+        """The first SIGINT or SIGTERM read from the pipe; None at the zero byte of the guard's end."""
+        while True:
+            for byte in os.read(self._read, 64):
+                if byte == 0:
+                    return None
+                if byte in SIGNALS:
+                    return byte
 
 @contextlib.contextmanager
 def ctrl_c_deferred() -> Iterator[None]:
@@ -157,10 +196,7 @@ def guard() -> Iterator[None]:
     before = {p.pid for p in me.children(recursive=True)}  # not the stages' (nor is a service: processes.py)
     fired: list[int] = []
     _stopping.clear()
-    wake = threading.Event()
-    if _exit_if_stuck:
-        threading.Thread(target=_exit_anyway, args=(wake, fired, me, before), name="quantgate-exit",
-                         daemon=True).start()
+    watchdog = _Watchdog(me, before) if _exit_if_stuck else None
 
     def handle(signum: int, frame: FrameType | None) -> None:
         if fired:  # already unwinding: a second Ctrl-C must not cut the cleanup short
@@ -168,7 +204,8 @@ def guard() -> Iterator[None]:
         fired.append(signum)
         interrupt = Interrupted(signum, ", ".join(progress.stages()) or "startup")
         _stopping.append(interrupt)  # before the raise: stage threads stop storing at once (refuse_results)
-        wake.set()  # the watchdog's time runs from here (exit_if_stuck)
+        if watchdog and frame is None:  # a deferred Ctrl-C, which no signal handler wrote into the wakeup pipe
+            watchdog.interrupted(signum)
         raise interrupt
 
     previous = {s: signal.signal(s, handle) for s in SIGNALS}
@@ -183,7 +220,8 @@ def guard() -> Iterator[None]:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-            wake.set()  # after an interrupt, set already
+            if watchdog and not fired:
+                watchdog.close()
 
 
 def prefect_cancellation() -> str | None:

@@ -39,10 +39,15 @@ def current() -> Step | None:
         return next(reversed(_in_flight.values()), None)
 
 
-def stages() -> list[str]:
-    """The stages in flight, each once, in the order their first step in flight began."""
-    with _lock:
+def stages(wait_s: float = -1) -> list[str]:
+    """The stages in flight, each once, in the order their first step in flight began; after `wait_s` seconds
+    without the lock (another thread may hold it forever: the interrupt watchdog asks), none."""
+    if not _lock.acquire(timeout=wait_s):
+        return []
+    try:
         return list(dict.fromkeys(step.stage for step in _in_flight.values()))
+    finally:
+        _lock.release()
 
 
 def begin(stage: str, item: str, checkpoint: str = "", index: int = 1, total: int = 1) -> None:

@@ -282,6 +282,35 @@ def test_a_run_whose_cleanup_hangs_after_a_signal_still_exits_with_its_code_and_
     assert (lives_on.returncode, lives_on.stdout.strip()) == (0, "still here"), lives_on.stderr[-2000:]
 
 
+# The main thread blocked in native code that a signal does not interrupt (a futex wait: a second lock of a default
+# pthread mutex by its own holder), so Python never runs the guard's handler; ctypes lets go of the GIL meanwhile.
+IN_NATIVE_CODE = """
+import ctypes, os, signal, threading
+from quantgate.flows import interrupts, progress
+interrupts.EXIT_WITHIN_S = 1.0
+libc = ctypes.CDLL(None)
+mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER on glibc
+progress.begin("benchmark", "base")
+with interrupts.exit_if_stuck():
+    with interrupts.guard():
+        libc.pthread_mutex_lock(mutex)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        libc.pthread_mutex_lock(mutex)
+"""
+
+
+def test_a_signal_while_the_main_thread_is_blocked_in_native_code_still_ends_the_run_with_its_code():
+    """Python runs a signal's handler only once the main thread is back in Python: blocked in native code it never
+    is, and the run would ignore SIGINT and SIGTERM forever. The watchdog reads the signal from the C handler's wakeup
+    pipe, so the process still exits with the signal's code, having printed where its threads were and its line."""
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", IN_NATIVE_CODE], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert "still stopping 1 s after SIGTERM" in done.stderr and 'File "<string>", line 12' in done.stderr
+    assert error_lines(done.stderr) == ["error: interrupted (SIGTERM) during benchmark"], done.stderr[-3000:]
+
+
 INSIDE_PROGRESS = """
 import os, signal, time
 from quantgate.flows import interrupts, progress

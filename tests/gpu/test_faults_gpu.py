@@ -225,8 +225,15 @@ class Run:
         (self.paused_file.parent / f"{self.paused_file.name}.{paused.pid}.go").touch()
 
     def wait(self, timeout_s: float) -> int:
+        """Its exit code; still running after `timeout_s`: a failure with where its threads are (SIGUSR1 makes
+        the CLI print them) and the end of its stderr."""
         try:
             return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"still running {timeout_s:g} s on; its stderr ends:\n{self.errors()[-8000:]}") from None
         finally:
             self.tree.stop()
 
