@@ -108,3 +108,17 @@ def test_the_reference_runs_vllm_evaluation_as_lm_evals_command(tmp_path: Path) 
     assert "--metadata '{\"context_words\": 6000, \"per_depth\": 10}'" in passkey
     # What the stored config cannot say is said: that run stored no engine size.
     assert "# note: the evaluation engine's size (max_model_len, KV cache) was not stored" in done.stdout
+
+
+def test_an_evaluation_scored_by_next_token_passes_says_so_beside_its_command() -> None:
+    """lm_eval's CLI scores each choice as a prompt of its own: the command says that quantgate read the same
+    quantities from one next-token pass per context, and how many requests it scored so."""
+    from quantgate.tasks.adapters.evaluators.lm_eval_cli import reproductions
+
+    config = {"model_path": "/m", "backend": "vllm", "dtype": "bfloat16", "trust_remote_code": False,
+              "tasks": [{"name": "qg_simple_stories"}], "engine": {"max_model_len": 4096}, "batch_size": "auto",
+              "loglikelihood_scored": {"next_token": 3420, "lm_eval": 10}}
+    (command,) = reproductions(config, "out")
+    assert [n for n in command.notes if "3,420 loglikelihood requests" in n and "next-token pass" in n]
+    del config["loglikelihood_scored"]
+    assert not [n for n in reproductions(config, "out")[0].notes if "next-token" in n]

@@ -1,4 +1,5 @@
-"""Quality evaluation with lm-evaluation-harness; the only module that imports lm_eval.
+"""Quality evaluation with lm-evaluation-harness; with vllm_next_token.py (its vLLM model), the only module that
+imports lm_eval.
 
 Each evaluation runs in a fresh Python process (this module run with -m). huggingface_hub and datasets
 read their offline switches once, at import, so only a new process can take them; and a vLLM engine gives
@@ -26,7 +27,7 @@ from quantgate.catalog.paths import LOCAL_TASKS_DIR
 from quantgate.catalog.records import LocalTaskConfig, MetricResult, QualityReport, SampleResult
 from quantgate.catalog.settings import settings
 from quantgate.catalog.suites import LocalTask, SuiteSpec
-from quantgate.tasks.adapters.evaluators import lm_eval_rows
+from quantgate.tasks.adapters.evaluators import lm_eval_rows, next_token
 from quantgate.tasks.adapters.evaluators.engine import engine_plan, shared_gpu_engine_args
 from quantgate.tasks.runtime import faults, gpu_memory, processes
 
@@ -58,6 +59,7 @@ def eval_key(suite: SuiteSpec, backend: Backend, dtype: str = "float32") -> str:
     fingerprint = {
         "evaluator": EVALUATOR,
         "backend": backend,
+        **({"loglikelihood": next_token.SCORING} if backend == "vllm" else {}),
         "dtype": dtype,
         "lm_eval": version("lm_eval"),
         "num_fewshot": suite.num_fewshot,
@@ -136,7 +138,9 @@ def evaluate(
         evaluator=EVALUATOR,
         # The protocol each result's task was asked with, by task name as the results name it.
         config=config | {"protocols": out["protocols"], "example_prompts": out["example_prompts"]}
-        | ({"engine": engine} if engine else {}),
+        | ({"engine": engine} if engine else {})
+        # How many loglikelihood requests each path scored (vllm backend: vllm_next_token.py).
+        | ({"loglikelihood_scored": out["loglikelihood_scored"]} if "loglikelihood_scored" in out else {}),
         metrics=[MetricResult(**m) for m in out["metrics"]],
         samples=[SampleResult(**s) for s in out["samples"]],
         seconds=seconds,
@@ -327,6 +331,10 @@ def _load_model(request: dict) -> Any:
     # vLLM picks its GPU from CUDA_VISIBLE_DEVICES and rejects a device argument.
     extra = {"batch_size": request["batch_size"], "device": request["device"] if backend == "hf" else None}
     try:
+        if backend == "vllm":  # one-token continuations in one next-token pass per context (next_token.py)
+            from quantgate.tasks.adapters.evaluators.vllm_next_token import NextTokenVLLM
+
+            return NextTokenVLLM.create_from_arg_obj(model_args, extra)
         return get_model(backend).create_from_arg_obj(model_args, extra)
     except Exception as e:
         raise EvaluationError(f"could not load {request['model_path']} with lm-eval's {backend!r} backend: {one_line(e)}") from None
@@ -359,7 +367,8 @@ def _evaluate_calls(lm: Any, managers: dict[str, Any], by_call: dict[_Call, list
         group_shots = next(iter(shots.values()), num_fewshot)
         protocols |= {t: protocol_label(shots.get(t, group_shots), chat, multiturn) for t in results["results"]}
         prompts |= lm_eval_rows.example_prompt(results)
-    return {"metrics": metrics, "samples": samples, "protocols": protocols, "example_prompts": prompts}
+    scored = {"loglikelihood_scored": lm.scored} if hasattr(lm, "scored") else {}
+    return {"metrics": metrics, "samples": samples, "protocols": protocols, "example_prompts": prompts, **scored}
 
 
 def task_words(suite: SuiteSpec) -> list[int] | None:

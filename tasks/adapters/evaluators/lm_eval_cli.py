@@ -72,6 +72,10 @@ def _notes(config: dict[str, Any], include_paths: list[str]) -> list[str]:
     if config["backend"] == "vllm" and not config.get("engine"):
         notes.append("the evaluation engine's size (max_model_len, KV cache) was not stored with this evaluation:"
                      " vLLM's defaults apply")
+    if scored := (config.get("loglikelihood_scored") or {}).get("next_token"):
+        notes.append(f"quantgate scored {scored:,} loglikelihood requests with one-token continuations by one"
+                     " next-token pass per context (tasks/adapters/evaluators/next_token.py); lm_eval's CLI scores"
+                     " each as a prompt of its own: the same quantities, up to floating-point rounding")
     if len(include_paths) > 1:
         notes.append(f"lm_eval's --include_path takes one folder; quantgate also read {', '.join(include_paths[1:])}")
     return notes

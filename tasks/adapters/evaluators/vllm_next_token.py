@@ -1,0 +1,58 @@
+"""lm-eval's vLLM backend with one-token continuations scored by one next-token pass per context (next_token.py).
+
+Imported only in an evaluation process with the vllm backend (it imports vLLM). Requests whose continuation is
+longer than one token (PIQA's sentences, rolling perplexity windows) take lm-eval's own path unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import vllm.sampling_params
+from lm_eval.models.vllm_causallms import VLLM
+from vllm import SamplingParams
+
+from quantgate.tasks.adapters.evaluators import next_token
+
+log = logging.getLogger(__name__)
+
+# vLLM returns the logprobs of a request's `logprob_token_ids` (at most this many) beside its sampled token.
+MAX_CANDIDATES = getattr(vllm.sampling_params, "MAX_LOGPROB_TOKEN_IDS", 128)
+HAS_TOKEN_LOGPROBS = "logprob_token_ids" in getattr(SamplingParams, "__struct_fields__", ())
+
+
+class NextTokenVLLM(VLLM):
+    """lm-eval's VLLM model; `scored` counts the loglikelihood requests each path scored (the evaluation's record)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scored = {"next_token": 0, "lm_eval": 0}
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        if not HAS_TOKEN_LOGPROBS:  # an older vLLM: lm-eval's own path for every request
+            self.scored["lm_eval"] += len(requests)
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm)
+        # lm-eval's own check: a prompt plus its continuation within max_length - 1 (one token is generated).
+        contexts, rest = next_token.plan(requests, self.max_length - 1, MAX_CANDIDATES)
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        if rest:
+            own = super()._loglikelihood_tokens([requests[i] for i in rest], disable_tqdm=disable_tqdm)
+            for index, answer in zip(rest, own, strict=True):
+                results[index] = answer
+        if contexts:
+            params = [SamplingParams(temperature=0, max_tokens=1, logprob_token_ids=c.candidates, detokenize=False)
+                      for c in contexts]
+            outputs = self._model_generate([list(c.tokens) for c in contexts], generate=True, sampling_params=params)
+            for context, output in zip(contexts, outputs, strict=True):
+                completion = output.outputs[0]
+                logprobs = {t: getattr(lp, "logprob", lp) for t, lp in completion.logprobs[0].items()}
+                for index, answer in next_token.answers(context, logprobs, completion.token_ids[0]):
+                    results[index] = answer
+                    if requests[index][0] is not None:  # lm-eval's cache hook, as its own path feeds it
+                        self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+        self.scored["lm_eval"] += len(rest)
+        self.scored["next_token"] += len(requests) - len(rest)
+        log.info("loglikelihood: %d requests in %d next-token passes, %d on lm-eval's path",
+                 len(requests) - len(rest), len(contexts), len(rest))
+        return results  # type: ignore[return-value]
