@@ -117,9 +117,12 @@ def test_an_interrupt_on_two_lanes_ends_the_running_steps_and_starts_no_more():
 
 def test_a_step_on_one_gpu_runs_in_a_process_that_sees_only_that_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    written: list[str] = []  # this process's environment is never rewritten, not even for a moment
+    setitem = type(os.environ).__setitem__
+    monkeypatch.setattr(type(os.environ), "__setitem__", lambda env, k, v: (written.append(k), setitem(env, k, v))[1])
 
     assert on_gpus("1", 60, os.getenv, "CUDA_VISIBLE_DEVICES") == "1"
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # this process keeps its own view
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and written == []  # this process keeps its own view
     with pytest.raises(LaunchError, match=r"^GPU 1: ValueError: invalid literal"):
         on_gpus("1", 60, int, "x")
     with pytest.raises(LaunchError, match=r"GPU 1: the process ended without an answer \(exit code 3\)"):

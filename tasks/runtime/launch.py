@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -20,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -97,27 +99,21 @@ def shared_slots(lanes: Sequence[str | None], on_gpu: bool, fit: int | None = No
 def on_gpus(gpus: str | None, timeout_s: float | None, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) in a fresh spawned process that sees only `gpus` (CUDA_VISIBLE_DEVICES, e.g. "1"; None: the
     same GPUs as this process). Everything it starts (engines, servers) inherits that view, and NVML readings
-    follow it (tasks/runtime/telemetry.py). A spawned process takes the environment as it is when it starts, so the
-    variable is set for that moment only, under a lock. An exception in the child comes back as LaunchError
-    with its one-line reason; SIGINT to this process reaches the child, whose `finally` blocks stop what it
-    started, before it is killed. Should this process die without doing so (`kill -9`), the child gets SIGTERM,
-    which does the same (_from_parent)."""
+    follow it (tasks/runtime/telemetry.py). The child sets the variable itself, first thing, and only then unpickles
+    `fn` and its arguments (imports that may read the GPUs come after): this process's environment is never
+    rewritten, so threads starting other processes meanwhile see it as it is. An exception in the child comes back
+    as LaunchError with its one-line reason; SIGINT to this process reaches the child, whose `finally` blocks stop
+    what it started, before it is killed. Should this process die without doing so (`kill -9`), the child gets
+    SIGTERM, which does the same (_from_parent)."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     where = f"GPU {gpus}" if gpus is not None else "worker"
+    work = bytes(ForkingPickler.dumps((fn, args)))
     # Not a daemon: the engines it runs start processes of their own.
-    proc = ctx.Process(target=_answer, args=(os.getpid(), sender, fn, args), name=f"quantgate-{where.replace(' ', '')}")
+    proc = ctx.Process(target=_answer, args=(os.getpid(), gpus, sender, work),
+                       name=f"quantgate-{where.replace(' ', '')}")
     with _SPAWNING:
-        before = os.environ.pop("CUDA_VISIBLE_DEVICES", None) if gpus is not None else None
-        if gpus is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-        try:
-            proc.start()
-        finally:
-            if gpus is not None and before is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            elif gpus is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = before
+        proc.start()
         _RUNNING.add(proc)
     sender.close()
     try:
@@ -167,9 +163,12 @@ def _from_parent(parent_pid: int) -> None:
     processes.die_with_parent(parent_pid)
 
 
-def _answer(parent_pid: int, sender: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _answer(parent_pid: int, gpus: str | None, sender: Any, work: bytes) -> None:
     _from_parent(parent_pid)
+    if gpus is not None:  # before anything the work imports can look at the GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     try:
+        fn, args = pickle.loads(work)
         sender.send(("ok", fn(*args)))
     except BaseException as e:  # whatever stops the work, as its one-line reason
         with contextlib.suppress(OSError):  # nobody left to read it: the parent died
