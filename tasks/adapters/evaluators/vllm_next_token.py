@@ -13,6 +13,7 @@ import vllm.sampling_params
 from lm_eval.models.vllm_causallms import VLLM
 from vllm import SamplingParams
 
+from quantgate.catalog.errors import one_line
 from quantgate.tasks.adapters.evaluators import next_token
 
 log = logging.getLogger(__name__)
@@ -23,36 +24,46 @@ HAS_TOKEN_LOGPROBS = "logprob_token_ids" in getattr(SamplingParams, "__struct_fi
 
 
 class NextTokenVLLM(VLLM):
-    """lm-eval's VLLM model; `scored` counts the loglikelihood requests each path scored (the evaluation's record)."""
+    """lm-eval's VLLM model; `scored` counts the loglikelihood requests each path scored, and why vLLM refused the
+    next-token passes if it did (the evaluation's record)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.scored = {"next_token": 0, "lm_eval": 0}
+        self.scored: dict[str, int | str] = {"next_token": 0, "lm_eval": 0}
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        if not HAS_TOKEN_LOGPROBS:  # an older vLLM: lm-eval's own path for every request
-            self.scored["lm_eval"] += len(requests)
-            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm)
         # lm-eval's own check: a prompt plus its continuation within max_length - 1 (one token is generated).
-        contexts, rest = next_token.plan(requests, self.max_length - 1, MAX_CANDIDATES)
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        contexts, rest = next_token.plan(requests, self.max_length - 1, MAX_CANDIDATES) if HAS_TOKEN_LOGPROBS \
+            else ([], list(range(len(requests))))  # an older vLLM: lm-eval's own path for every request
+        results: dict[int, tuple[float, bool]] = self._next_token_passes(requests, contexts) if contexts else {}
+        if contexts and not results:  # vLLM refused the passes: lm-eval's path for their requests too
+            rest = sorted(rest + [index for c in contexts for index, _ in c.members])
         if rest:
             own = super()._loglikelihood_tokens([requests[i] for i in rest], disable_tqdm=disable_tqdm)
-            for index, answer in zip(rest, own, strict=True):
-                results[index] = answer
-        if contexts:
-            params = [SamplingParams(temperature=0, max_tokens=1, logprob_token_ids=c.candidates, detokenize=False)
-                      for c in contexts]
-            outputs = self._model_generate([list(c.tokens) for c in contexts], generate=True, sampling_params=params)
-            for context, output in zip(contexts, outputs, strict=True):
-                completion = output.outputs[0]
-                logprobs = {t: getattr(lp, "logprob", lp) for t, lp in completion.logprobs[0].items()}
-                for index, answer in next_token.answers(context, logprobs, completion.token_ids[0]):
-                    results[index] = answer
-                    if requests[index][0] is not None:  # lm-eval's cache hook, as its own path feeds it
-                        self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+            results |= dict(zip(rest, own, strict=True))
         self.scored["lm_eval"] += len(rest)
         self.scored["next_token"] += len(requests) - len(rest)
         log.info("loglikelihood: %d requests in %d next-token passes, %d on lm-eval's path",
-                 len(requests) - len(rest), len(contexts), len(rest))
-        return results  # type: ignore[return-value]
+                 len(requests) - len(rest), len(contexts) if len(rest) < len(requests) else 0, len(rest))
+        return [results[i] for i in range(len(requests))]
+
+    def _next_token_passes(self, requests: list, contexts: list[next_token.Context]) -> dict[int, tuple[float, bool]]:
+        """Each grouped request's (loglikelihood, is_greedy) from one pass per context; none when vLLM refuses the
+        requests (it validates them as they are added, before any runs), whose reason `scored` keeps."""
+        try:
+            params = [SamplingParams(temperature=0, max_tokens=1, logprob_token_ids=c.candidates, detokenize=False)
+                      for c in contexts]
+            outputs = self._model_generate([list(c.tokens) for c in contexts], generate=True, sampling_params=params)
+        except (ValueError, TypeError) as e:  # vLLM's request validation (VLLMValidationError is a ValueError)
+            self.scored["refused"] = one_line(e)
+            log.warning("vLLM refused next-token passes (%s): lm-eval's path instead", one_line(e))
+            return {}
+        results: dict[int, tuple[float, bool]] = {}
+        for context, output in zip(contexts, outputs, strict=True):
+            completion = output.outputs[0]
+            logprobs = {t: getattr(lp, "logprob", lp) for t, lp in completion.logprobs[0].items()}
+            for index, answer in next_token.answers(context, logprobs, completion.token_ids[0]):
+                results[index] = answer
+                if requests[index][0] is not None:  # lm-eval's cache hook, as its own path feeds it
+                    self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+        return results
