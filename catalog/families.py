@@ -1,6 +1,6 @@
 """What a model family needs from a build (`families.yaml` beside this module), found by the `model_type` of the
 model's config.json: modules every build keeps in 16 bits whatever the variant says, and the methods or schemes
-the family is refused with, each with its one-line reason."""
+the family is refused with (everywhere, or where vLLM evaluates and measures it), each with its one-line reason."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from quantgate.catalog.variants import Method, VariantSpec
 FAMILIES_FILE = CATALOG_DIR / "families.yaml"
 # What `refuse` may name: a method, or a scheme of any method.
 _REFUSABLE = (*get_args(Method), *get_args(VariantSpec.model_fields["scheme"].annotation))
+# A scheme key with this suffix names its channel-wise variants only (no group size), e.g. `W8A16/channel`.
+CHANNEL_WISE = "/channel"
 
 
 class Family(Strict):
@@ -27,20 +29,27 @@ class Family(Strict):
     model_types: tuple[str, ...] = Field(min_length=1)
     keep: tuple[str, ...] = ()
     refuse: dict[str, str] = Field(default_factory=dict)
+    # What vLLM cannot load of this family: refused only where the run evaluates and measures with vLLM.
+    refuse_on_vllm: dict[str, str] = Field(default_factory=dict)
 
-    @field_validator("refuse")
+    @field_validator("refuse", "refuse_on_vllm")
     @classmethod
     def _known(cls, refuse: dict[str, str]) -> dict[str, str]:
-        if unknown := sorted(set(refuse) - set(_REFUSABLE)):
-            raise ValueError(f"refuse names {unknown}: neither a method nor a scheme ({', '.join(_REFUSABLE)})")
+        if unknown := sorted(set(refuse) - set(_REFUSABLE) - {f"{s}{CHANNEL_WISE}" for s in _REFUSABLE}):
+            raise ValueError(f"refuse names {unknown}: neither a method nor a scheme ({', '.join(_REFUSABLE)}),"
+                             f" nor a scheme with {CHANNEL_WISE!r} (no group size)")
         if multi := [k for k, why in refuse.items() if "\n" in why.strip()]:
             raise ValueError(f"refuse {multi[0]}: the reason must be one line")
         return refuse
 
-    def refusal(self, spec: VariantSpec) -> str | None:
-        """Why `spec` cannot be built for this family (one line), or None. A scheme's reason comes first."""
-        why = self.refuse.get(spec.scheme) or self.refuse.get(spec.method)
-        return None if why is None else f"refused for {self.name} ({spec.method} {spec.scheme}): {why.strip()}"
+    def refusal(self, spec: VariantSpec, serving: str | None = None) -> str | None:
+        """Why `spec` cannot be built for this family (one line), or None; with `serving` "vllm", also what vLLM
+        cannot load. A channel-wise scheme's reason comes first, then the scheme's, then the method's."""
+        keys = ([f"{spec.scheme}{CHANNEL_WISE}"] if spec.group_size is None else []) + [spec.scheme, spec.method]
+        for where, refused in (("", self.refuse), (" on vLLM", self.refuse_on_vllm if serving == "vllm" else {})):
+            if why := next((refused[k] for k in keys if k in refused), None):
+                return f"refused for {self.name}{where} ({spec.method} {spec.scheme}): {why.strip()}"
+        return None
 
     def apply(self, spec: VariantSpec) -> VariantSpec:
         """`spec` with this family's kept modules added to its `ignore`; the very spec when it has them all, so

@@ -45,9 +45,9 @@ def download(run: StageRun, spec: ModelSpec, root: Path, cat: Catalog) -> ModelA
 
 
 def build(run: StageRun, model: ModelArtifact, vspec: VariantSpec, calib: CalibrationSpec,
-          root: Path) -> VariantArtifact:
+          root: Path, serving: str | None = None) -> VariantArtifact:
     """A variant built (or reused) with calibration set `calib`, its row stored; one that failed to build is
-    returned failed (`ok` False), with its reason."""
+    returned failed (`ok` False), with its reason; `serving`: the engine the run evaluates and measures with."""
     log = get_run_logger()
 
     def stored(con: Any) -> VariantArtifact | None:
@@ -55,7 +55,8 @@ def build(run: StageRun, model: ModelArtifact, vspec: VariantSpec, calib: Calibr
         return variant_from_row(row, vspec) if row else None
 
     def make() -> VariantArtifact:
-        variant = build_cached(model, vspec, calib, root, lambda uid: run.read(lambda c: reads.find_variant(c, uid)))
+        variant = build_cached(model, vspec, calib, root, lambda uid: run.read(lambda c: reads.find_variant(c, uid)),
+                               serving)
         log.info("%s: %s%s", vspec.name, "reused" if variant.reused else variant.status,
                  f" ({variant.error})" if variant.error else "")
         return variant

@@ -247,7 +247,7 @@ def _build_and_evaluate(run: StageRun, model: ModelArtifact, vspec: VariantSpec,
                         evals: gpu_memory.MemoryPromise) -> tuple[VariantArtifact, bool]:
     """A variant's job: built (or reused) with calibration set `calib`, announced `ready`, and evaluated: (variant,
     usable for the next stages)."""
-    variant = build(run, model, vspec, calib, root)
+    variant = build(run, model, vspec, calib, root, setup.backend)
     if not variant.ok:
         return variant, False
     ready(variant)

@@ -137,3 +137,20 @@ def test_a_refused_variant_is_refused_before_any_work(tiny, tmp_path):
     assert "\n" not in mixtral.error + moe.error and not (tmp_path / "out").exists()
     # Its cache key is made without reading the calibration either.
     assert caching.quantize_key(tiny("mixtral"), gptq, unreadable).startswith("quantize-")
+
+
+def test_what_vllm_cannot_load_is_refused_only_where_vllm_serves_it(tiny, tmp_path):
+    """INT8 W8A16 channel-wise experts: vLLM 0.26 fails to load them (benchmarks/results/h100/moe-4layers-1), so a
+    run that evaluates and measures with vLLM refuses the build before any work, in one line; a CPU run (lm-eval's
+    hf backend) builds it, and a grouped W8A16 is not refused."""
+    unreadable = TextCalibration(path=str(tmp_path / "no-such-calibration.txt"))
+    int8 = VariantSpec(name="int8-w8a16", method="rtn", scheme="W8A16", group_size=None)
+    refused = quantize.build_variant(tiny("qwen3_moe"), int8, unreadable, tmp_path / "out", serving="vllm")
+    assert refused.status == "skipped" and refused.path is None and not (tmp_path / "out").exists()
+    assert refused.error.startswith("int8-w8a16: refused for qwen3_moe on vLLM (rtn W8A16): vLLM 0.26 cannot load"
+                                    " channel-wise weight-only experts")
+    assert "\n" not in refused.error
+    assert quantize.for_family(tiny("qwen3_moe"), int8, "hf")[1] is None
+    grouped = int8.model_copy(update={"name": "int8-w8a16-g32", "group_size": 32})
+    assert quantize.for_family(tiny("qwen3_moe"), grouped, "vllm")[1] is None
+    assert quantize.for_family(tiny("qwen2"), int8, "vllm")[1] is None  # a dense family's experts: none

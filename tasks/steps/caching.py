@@ -139,13 +139,16 @@ def _download_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
     return download_key(parameters["spec"], Path(parameters["cache_dir"]))
 
 
-def remembered_quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec, root: Path) -> str:
+def remembered_quantize_key(model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec, root: Path,
+                            serving: str | None = None) -> str:
     """quantize_key, kept under `root`/cache/build-keys by what it is computed from: the checkpoint, the variant
     spec, for a calibrated method the set's spec and documents as read, and `environment`. Computing it builds
     the recipe with llm-compressor and tokenizes the calibration set (seconds of imports, on a rerun that builds
     nothing); the same inputs find it here."""
     ident: dict[str, Any] = {"model": model.uid, "sha": model.sha, "variant": spec.model_dump(mode="json"),
-                             "environment": environment()}
+                             "environment": environment(),
+                             # a build that vLLM refuses is refused only where vLLM serves it
+                             **({"serving": serving} if serving else {})}
     if not spec.load_time and spec.needs_calibration:
         ident["calibration"] = {"spec": calib.model_dump(mode="json"),
                                 "documents": _digest(calibration.calibration_documents(calib))}
@@ -203,17 +206,17 @@ def check_calibration_cached(calib: CalibrationSpec, model: ModelArtifact, suite
 
 def build_cached(
     model: ModelArtifact, spec: VariantSpec, calib: CalibrationSpec, root: Path,
-    existing: Callable[[str], dict | None] | None = None,
+    existing: Callable[[str], dict | None] | None = None, serving: str | None = None,
 ) -> VariantArtifact:
     """build_variant_task with its result cached under `root`/cache; a cache hit is a reuse."""
     task = quantize.build_variant_task.with_options(
-        **_options(root, lambda context, parameters: remembered_quantize_key(model, spec, calib, root)))
+        **_options(root, lambda context, parameters: remembered_quantize_key(model, spec, calib, root, serving)))
 
     def trusted(v: VariantArtifact) -> bool:
         return v.ok and v.path is not None and (Path(v.path) / quantize.MARKER).is_file()
 
     # The variant is in the run's name, not in a tag: Prefect asks its server for the limits of each new set of
     # tags (up to seconds on the temporary server), and remembers only for a few seconds that a set has none.
-    variant, hit = _run(task, (model, spec, calib, root / "variants", existing), trusted,
+    variant, hit = _run(task, (model, spec, calib, root / "variants", existing, serving), trusted,
                         [f"model:{model.model_id}"], f"quantize {model.model_id}/{spec.name}")
     return replace(variant, reused=True) if hit else variant

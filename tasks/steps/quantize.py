@@ -67,14 +67,15 @@ def recipe_for(spec: VariantSpec) -> tuple[str, str]:
     return text, hashlib.sha256(text.encode()).hexdigest()
 
 
-def for_family(model: ModelArtifact, spec: VariantSpec) -> tuple[VariantSpec, str | None]:
+def for_family(model: ModelArtifact, spec: VariantSpec, serving: str | None = None) -> tuple[VariantSpec, str | None]:
     """`spec` as `model`'s family builds it (the modules the family keeps in 16 bits added to its `ignore`:
-    catalog/families.yaml) and why the family refuses it (one line), or None. A family that keeps nothing more, or a
-    model of no listed family, gets the very spec: its recipe and uid, so its stored builds, stay as they were."""
+    catalog/families.yaml) and why the family refuses it (one line), or None; `serving` "vllm" (the run evaluates
+    and measures with vLLM) adds what vLLM cannot load. A family that keeps nothing more, or a model of no listed
+    family, gets the very spec: its recipe and uid, so its stored builds, stay as they were."""
     family = model_family(model.path)
     if family is None:
         return spec, None
-    return family.apply(spec), family.refusal(spec)
+    return family.apply(spec), family.refusal(spec, serving)
 
 
 def variant_uid(
@@ -277,15 +278,17 @@ def build_variant(
     calib: CalibrationSpec,
     out_root: Path,
     existing: Callable[[str], dict | None] | None = None,
+    serving: str | None = None,
 ) -> VariantArtifact:
     """Build `spec` of `model` under `out_root`, or return the earlier build of the same uid (reused=True).
 
     `existing(uid)` may return the warehouse's row for the uid; a built row whose folder still
-    exists is reused too. A load-time spec (bitsandbytes) goes to `build_load_time`.
+    exists is reused too. `serving`: the engine the run evaluates and measures with ("vllm" refuses what vLLM
+    cannot load, before any work). A load-time spec (bitsandbytes) goes to `build_load_time`.
     """
     if spec.load_time:
         return build_load_time(model, spec, out_root, existing)
-    spec, refused = for_family(model, spec)
+    spec, refused = for_family(model, spec, serving)
     versions = lib_versions()
     recipe, recipe_hash = recipe_for(spec)
     # A variant its family refuses is refused before any work: not even its calibration is read.
