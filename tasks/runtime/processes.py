@@ -87,8 +87,23 @@ def exit_on_sigterm(grace_s: int = SIGTERM_GRACE_S) -> None:
 
 
 # Sessions started as services this process uses to its very end (Prefect's temporary API server): an interrupt's
-# stop_started spares them, and whoever started one stops it.
-_services: set[int] = set()
+# stop_started spares them, and whoever started one stops it. By session id and its leader's start time: once a
+# service has ended, a later session given the same id is not spared.
+_services: dict[int, float] = {}
+
+
+def _is_service(pgid: int) -> bool:
+    """Whether the session `pgid` is a service this process started and which still runs (the same leader)."""
+    started = _services.get(pgid)
+    if started is None:
+        return False
+    try:
+        if psutil.Process(pgid).create_time() == started:
+            return True
+    except psutil.NoSuchProcess:
+        pass
+    del _services[pgid]  # it ended: its id may name another session now
+    return False
 
 
 def spawn_session(cmd: Sequence[str], log: Path | None, env: Mapping[str, str] | None, append: bool = False,
@@ -110,7 +125,8 @@ def spawn_session(cmd: Sequence[str], log: Path | None, env: Mapping[str, str] |
         )
     _note_session(proc.pid)
     if service:
-        _services.add(proc.pid)
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that ended at once is no service to spare
+            _services[proc.pid] = psutil.Process(proc.pid).create_time()
     return proc
 
 
@@ -197,7 +213,7 @@ def stop_started(parent: psutil.Process, before: set[int], grace_s: float) -> No
     for p in started:
         with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
             pgid = os.getpgid(p.pid)
-            if pgid in _services or p.pid == tracker:
+            if _is_service(pgid) or p.pid == tracker:
                 spared.append(p)
             else:
                 (loose.append(p) if pgid == own else groups.add(pgid))
