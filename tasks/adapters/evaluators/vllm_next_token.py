@@ -49,21 +49,28 @@ class NextTokenVLLM(VLLM):
 
     def _next_token_passes(self, requests: list, contexts: list[next_token.Context]) -> dict[int, tuple[float, bool]]:
         """Each grouped request's (loglikelihood, is_greedy) from one pass per context; none when vLLM refuses the
-        requests (it validates them as they are added, before any runs), whose reason `scored` keeps."""
+        requests (its validation, as they are added) or answers without the logprobs asked for, the reason kept in
+        `scored`: lm-eval's path then scores them. An engine that fails otherwise fails the evaluation."""
         try:
             params = [SamplingParams(temperature=0, max_tokens=1, logprob_token_ids=c.candidates, detokenize=False)
                       for c in contexts]
             outputs = self._model_generate([list(c.tokens) for c in contexts], generate=True, sampling_params=params)
-        except (ValueError, TypeError) as e:  # vLLM's request validation (VLLMValidationError is a ValueError)
+            results = dict(answer for context, output in zip(contexts, outputs, strict=True)
+                           for answer in _read(context, output.outputs[0]))
+        except (ValueError, TypeError, LookupError, AttributeError) as e:  # VLLMValidationError: a ValueError
             self.scored["refused"] = one_line(e)
-            log.warning("vLLM refused next-token passes (%s): lm-eval's path instead", one_line(e))
+            log.warning("next-token passes refused or unreadable (%s): lm-eval's path instead", one_line(e))
             return {}
-        results: dict[int, tuple[float, bool]] = {}
-        for context, output in zip(contexts, outputs, strict=True):
-            completion = output.outputs[0]
-            logprobs = {t: getattr(lp, "logprob", lp) for t, lp in completion.logprobs[0].items()}
-            for index, answer in next_token.answers(context, logprobs, completion.token_ids[0]):
-                results[index] = answer
-                if requests[index][0] is not None:  # lm-eval's cache hook, as its own path feeds it
-                    self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
+        for index, answer in results.items():
+            if requests[index][0] is not None:  # lm-eval's cache hook, as its own path feeds it
+                self.cache_hook.add_partial("loglikelihood", requests[index][0], answer)
         return results
+
+
+def _read(context: next_token.Context, completion: Any) -> list[tuple[int, tuple[float, bool]]]:
+    """A context's answers from its pass: the logprobs of its candidates at the one generated position, beside the
+    token generated (greedy: the argmax)."""
+    if not completion.logprobs:
+        raise ValueError("vLLM returned no logprobs for logprob_token_ids")
+    logprobs = {t: getattr(lp, "logprob", lp) for t, lp in completion.logprobs[0].items()}
+    return next_token.answers(context, logprobs, completion.token_ids[0])
