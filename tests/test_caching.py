@@ -192,6 +192,9 @@ def test_a_build_key_is_computed_once_for_the_same_inputs(tiny_model, tmp_path, 
     assert not set(other.values()) & set(keys.values()) and len(set(other.values())) == len(other)
     # A calibrated key changes with the calibration; an uncalibrated one does not.
     assert remembered_quantize_key(model, INT8, calib, root) == keys[INT8.name]
+    # The engine a run serves with is in the key (what vLLM cannot load is refused only there), from the same memo.
+    served = {e: remembered_quantize_key(model, INT8, calib, root, e) for e in ("vllm", "hf")}
+    assert len({*served.values(), keys[INT8.name]}) == 3 and served["vllm"].startswith(keys[INT8.name])
 
 
 def test_a_rerun_of_a_build_is_a_cache_hit_without_computing_its_key(tiny_model, tmp_path, monkeypatch):

@@ -144,23 +144,22 @@ def remembered_quantize_key(model: ModelArtifact, spec: VariantSpec, calib: Cali
     """quantize_key, kept under `root`/cache/build-keys by what it is computed from: the checkpoint, the variant
     spec, for a calibrated method the set's spec and documents as read, and `environment`. Computing it builds
     the recipe with llm-compressor and tokenizes the calibration set (seconds of imports, on a rerun that builds
-    nothing); the same inputs find it here."""
+    nothing); the same inputs find it here. `serving` (the engine the run evaluates with) is in the key: a build
+    that vLLM cannot load is refused only where vLLM serves it, so a build made for another engine is no hit."""
     ident: dict[str, Any] = {"model": model.uid, "sha": model.sha, "variant": spec.model_dump(mode="json"),
-                             "environment": environment(),
-                             # a build that vLLM refuses is refused only where vLLM serves it
-                             **({"serving": serving} if serving else {})}
+                             "environment": environment()}
     if not spec.load_time and spec.needs_calibration:
         ident["calibration"] = {"spec": calib.model_dump(mode="json"),
                                 "documents": _digest(calibration.calibration_documents(calib))}
     memo = Path(root) / CACHE_DIR / KEY_MEMO / _digest(ident)[:32]
     try:
-        if (key := memo.read_text()).startswith("quantize-"):
-            return key
+        key = memo.read_text()
     except OSError:
-        pass
-    key = quantize_key(model, spec, calib)
-    write_atomic(memo, key)  # whole or not at all, whichever build of the work dir writes it
-    return key
+        key = ""
+    if not key.startswith("quantize-"):
+        key = quantize_key(model, spec, calib)
+        write_atomic(memo, key)  # whole or not at all, whichever build of the work dir writes it
+    return f"{key}-{serving}" if serving else key
 
 
 def _options(root: Path, key_fn: Callable[[Any, dict[str, Any]], str | None]) -> dict[str, Any]:
