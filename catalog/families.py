@@ -29,7 +29,7 @@ class Family(Strict):
     model_types: tuple[str, ...] = Field(min_length=1)
     keep: tuple[str, ...] = ()
     refuse: dict[str, str] = Field(default_factory=dict)
-    # What vLLM cannot load of this family: refused only where the run evaluates and measures with vLLM.
+    # What vLLM cannot load of this family: refused only where the run evaluates with vLLM.
     refuse_on_vllm: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("refuse", "refuse_on_vllm")

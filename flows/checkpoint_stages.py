@@ -47,7 +47,7 @@ def download(run: StageRun, spec: ModelSpec, root: Path, cat: Catalog) -> ModelA
 def build(run: StageRun, model: ModelArtifact, vspec: VariantSpec, calib: CalibrationSpec,
           root: Path, serving: str | None = None) -> VariantArtifact:
     """A variant built (or reused) with calibration set `calib`, its row stored; one that failed to build is
-    returned failed (`ok` False), with its reason; `serving`: the engine the run evaluates and measures with."""
+    returned failed (`ok` False), with its reason; `serving`: the engine the run evaluates with."""
     log = get_run_logger()
 
     def stored(con: Any) -> VariantArtifact | None:

@@ -283,7 +283,7 @@ def build_variant(
     """Build `spec` of `model` under `out_root`, or return the earlier build of the same uid (reused=True).
 
     `existing(uid)` may return the warehouse's row for the uid; a built row whose folder still
-    exists is reused too. `serving`: the engine the run evaluates and measures with ("vllm" refuses what vLLM
+    exists is reused too. `serving`: the engine the run evaluates with ("vllm" refuses what vLLM
     cannot load, before any work). A load-time spec (bitsandbytes) goes to `build_load_time`.
     """
     if spec.load_time:
