@@ -1,6 +1,6 @@
 """What a model family needs from a build (`families.yaml` beside this module), found by the `model_type` of the
 model's config.json: modules every build keeps in 16 bits whatever the variant says, and the methods or schemes
-the family is refused with (everywhere, or where vLLM evaluates and measures it), each with its one-line reason."""
+the family is refused with (everywhere, or where vLLM evaluates it), each with its one-line reason."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def recipe_for(spec: VariantSpec) -> tuple[str, str]:
 def for_family(model: ModelArtifact, spec: VariantSpec, serving: str | None = None) -> tuple[VariantSpec, str | None]:
     """`spec` as `model`'s family builds it (the modules the family keeps in 16 bits added to its `ignore`:
     catalog/families.yaml) and why the family refuses it (one line), or None; `serving` "vllm" (the run evaluates
-    and measures with vLLM) adds what vLLM cannot load. A family that keeps nothing more, or a model of no listed
+    with vLLM) adds what vLLM cannot load. A family that keeps nothing more, or a model of no listed
     family, gets the very spec: its recipe and uid, so its stored builds, stay as they were."""
     family = model_family(model.path)
     if family is None:
