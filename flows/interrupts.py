@@ -115,7 +115,7 @@ class _Watchdog:
         self._thread.start()
 
     def interrupted(self, signum: int) -> None:
-        """An interrupt that came through no signal handler (a Ctrl-C held back while the command started)."""
+        """An interrupt whose signal landed before the guard began (a Ctrl-C held back while the command started)."""
         os.write(self._write, bytes([signum]))
 
     def close(self) -> None:
@@ -204,13 +204,13 @@ def guard() -> Iterator[None]:
         fired.append(signum)
         interrupt = Interrupted(signum, ", ".join(progress.stages()) or "startup")
         _stopping.append(interrupt)  # before the raise: stage threads stop storing at once (refuse_results)
-        if watchdog and frame is None:  # a deferred Ctrl-C, which no signal handler wrote into the wakeup pipe
-            watchdog.interrupted(signum)
         raise interrupt
 
     previous = {s: signal.signal(s, handle) for s in SIGNALS}
     try:
         if _ctrl_c and _deferring:  # a Ctrl-C while the command started: the stages do not begin
+            if watchdog:  # its signal landed before the wakeup pipe was there
+                watchdog.interrupted(signal.SIGINT)
             handle(signal.SIGINT, None)
         yield
     finally:
