@@ -47,7 +47,7 @@ def plan(requests: Sequence[Request], max_length: int, max_candidates: int) -> t
             rest.append(index)
             continue
         group = contexts.setdefault(tuple(context), Context(tuple(context)))
-        if continuation[0] not in group.candidates and len(group.candidates) >= max_candidates:
+        if continuation[0] not in (candidates := group.candidates) and len(candidates) >= max_candidates:
             rest.append(index)
             continue
         group.members.append((index, continuation[0]))

@@ -43,8 +43,6 @@ class NextTokenVLLM(VLLM):
             results |= dict(zip(rest, own, strict=True))
         self.scored["lm_eval"] += len(rest)
         self.scored["next_token"] += len(requests) - len(rest)
-        log.info("loglikelihood: %d requests in %d next-token passes, %d on lm-eval's path",
-                 len(requests) - len(rest), len(contexts) if len(rest) < len(requests) else 0, len(rest))
         return [results[i] for i in range(len(requests))]
 
     def _next_token_passes(self, requests: list, contexts: list[next_token.Context]) -> dict[int, tuple[float, bool]]:
